@@ -1,0 +1,1 @@
+"""Paged attention: metadata, the backend interface, and its implementations."""

@@ -1,0 +1,45 @@
+"""The attention backend interface and its selection by device."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from tokenmill.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, Hq, D]
+        k: torch.Tensor,  # [num_tokens, Hkv, D]
+        v: torch.Tensor,  # [num_tokens, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write this step's k/v into the paged cache, then attend causally over each request's
+        context (cached prefix + new tokens). Returns [num_tokens, Hq, D]."""
+        ...
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter new k/v rows into their cache slots. k, v: [num_tokens, Hkv, D]."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    """'auto' picks the fast path for the device; 'torch_ref' is the readable reference."""
+    from tokenmill.attention.cpu import SDPABackend
+    from tokenmill.attention.torch_ref import TorchRefBackend
+
+    if name == "torch_ref":
+        return TorchRefBackend()
+    if name in ("auto", "cpu", "sdpa"):
+        return SDPABackend()
+    raise ValueError(f"unknown attention backend {name!r}; use 'auto', 'cpu' or 'torch_ref'.")

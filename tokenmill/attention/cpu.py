@@ -1,0 +1,99 @@
+"""Attention built on torch's scaled_dot_product_attention (fused kernels on CPU and GPU).
+
+Decode rows of a step are batched into one SDPA call over their padded contexts; prompt chunks
+run one request at a time, with the plain causal kernel when there is no cached prefix."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention.backend import write_kv
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.torch_ref import gather_context
+
+
+class SDPABackend:
+    name = "sdpa"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        if meta.is_all_decode:
+            return self._decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
+        out = torch.empty_like(q)
+        qsl = meta.query_start_loc_cpu
+        decode_reqs = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+        if decode_reqs:
+            rows = torch.tensor([qsl[i] for i in decode_reqs], device=q.device)
+            reqs = torch.tensor(decode_reqs, device=q.device)
+            max_len = max(meta.seq_lens_cpu[i] for i in decode_reqs)
+            out[rows] = self._decode(
+                q[rows], kv_cache, meta.block_tables[reqs], meta.seq_lens[reqs], max_len, scale
+            )
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            start, end = qsl[i], qsl[i + 1]
+            if end - start == 1:
+                continue
+            out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache,
+                                           meta.block_tables[i], seq_len, scale)
+        return out
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,  # [B, Hq, D]
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [B, max_blocks]
+        seq_lens: torch.Tensor,  # [B]
+        max_seq_len: int,
+        scale: float,
+    ) -> torch.Tensor:
+        batch, _, head_dim = q.shape
+        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+        num_blocks = -(-max_seq_len // block_size)
+        table = block_tables[:, :num_blocks].long()
+        # [B, num_blocks, block_size, Hkv, D] -> [B, Hkv, S, D]
+        ctx_k = kv_cache[0][table].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        ctx_v = kv_cache[1][table].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        positions = torch.arange(ctx_k.shape[2], device=q.device)
+        mask = (positions.unsqueeze(0) < seq_lens.unsqueeze(1)).view(batch, 1, 1, -1)  # [B, 1, 1, S]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), ctx_k, ctx_v, attn_mask=mask, scale=scale, enable_gqa=True
+        )  # [B, Hq, 1, D]
+        return out.squeeze(2)
+
+    @staticmethod
+    def _prefill(
+        q: torch.Tensor,  # [q_len, Hq, D]
+        k: torch.Tensor,  # [q_len, Hkv, D]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_len: int,
+        scale: float,
+    ) -> torch.Tensor:
+        q_len = q.shape[0]
+        if seq_len == q_len:  # no cached prefix: the new tokens are the whole context
+            mask = None
+            ctx_k, ctx_v = k, v
+        else:
+            ctx_k, ctx_v = gather_context(kv_cache, block_table, seq_len)
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+            mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos  # [q_len, seq_len]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),  # [Hq, q_len, D]
+            ctx_k.transpose(0, 1),
+            ctx_v.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1)

@@ -1,0 +1,117 @@
+"""Frozen, composed configuration. `EngineArgs` is what users pass; `resolve()` turns it into an
+`EngineConfig` once the model's own config and the machine are known."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # a local HF folder, a .gguf file, or a preset name (with load_format="dummy")
+    hf_config: Any  # transformers.PretrainedConfig
+    dtype: str  # "bfloat16" | "float32" | "float16"
+    max_model_len: int
+    load_format: str = "auto"
+    seed: int = 0
+    tokenizer: str | None = None  # folder with the tokenizer files; None when the model has none
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit count; otherwise from the memory budget
+    kv_cache_memory_gb: float = 2.0  # CPU budget for the KV cache
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown scheduling policy {self.policy!r}; use one of {SCHEDULING_POLICIES}.")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: str = "cpu"
+    attention_backend: str = "auto"  # "auto" | "torch_ref" | "cpu"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user may set; `create_engine_config` resolves it against the model and machine."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 2.0
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"
+    seed: int = 0
+    device: str = "cpu"
+    attention_backend: str = "auto"
+    scheduling_policy: str = "fcfs"
+
+    def create_engine_config(self) -> tuple[EngineConfig, Any]:
+        """Returns the frozen config and the resolved model source (folder, tokenizer, eos ids)."""
+        from tokenmill.loader.model_loader import resolve_dtype, resolve_source
+
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"unknown load_format {self.load_format!r}; use one of {LOAD_FORMATS}.")
+        source = resolve_source(self.model, self.load_format)
+        hf_config = source.hf_config
+        model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
+        # Sliding-window attention is not implemented: stay within the window, where it is exact.
+        window = getattr(hf_config, "sliding_window", None)
+        if window and getattr(hf_config, "use_sliding_window", True):
+            model_max = min(model_max, int(window))
+        max_model_len = min(self.max_model_len or model_max, model_max)
+        model = ModelConfig(
+            model=str(source.folder or self.model),
+            hf_config=hf_config,
+            dtype=resolve_dtype(self.dtype, self.device),
+            max_model_len=max_model_len,
+            load_format=self.load_format,
+            seed=self.seed,
+            tokenizer=source.tokenizer,
+        )
+        cache = CacheConfig(
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            kv_cache_memory_gb=self.kv_cache_memory_gb,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            policy=self.scheduling_policy,
+        )
+        return EngineConfig(model, cache, scheduler, self.device, self.attention_backend), source

@@ -1,0 +1,112 @@
+"""Maps requests to KV-cache blocks: prefix-cache lookups, allocation for each step, freeing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmill.core.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
+from tokenmill.core.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}.")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.req_blocks: dict[str, list[Block]] = {}
+        # Hashes of each request's full blocks, extended as its tokens become known.
+        self.req_hashes: dict[str, list[BlockHash]] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        hashes = self.req_hashes.setdefault(request.req_id, [])
+        num_full = request.num_tokens // self.block_size
+        if len(hashes) < num_full:
+            tokens = request.all_token_ids
+            bs = self.block_size
+            for i in range(len(hashes), num_full):
+                parent = hashes[i - 1] if i else None
+                hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """The longest cached prefix of a request about to be scheduled: (blocks, tokens they hold).
+
+        At least one token is always left to compute, since the step must produce its logits."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        hashes = self._block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[Block] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self.stats.queries += request.num_tokens
+        self.stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[Block] | None = None
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens; returns the ids of blocks added to the request's
+        table (cache hits first), or None when the pool cannot supply them (nothing is changed then)."""
+        computed_blocks = computed_blocks or []
+        blocks = self.req_blocks.setdefault(request.req_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        total_tokens = num_computed + num_new_tokens
+        num_new_blocks = self.blocks_needed(total_tokens) - len(blocks) - len(computed_blocks)
+        # Cache hits sitting in the free queue are taken out of it, so they count against the budget.
+        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if max(num_new_blocks, 0) + num_evictable_hits > self.pool.num_free_blocks:
+            if not blocks:
+                del self.req_blocks[request.req_id]
+            return None
+        self.pool.touch(computed_blocks)
+        new_blocks = self.pool.get_new_blocks(max(num_new_blocks, 0))
+        blocks.extend(computed_blocks)
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(request, blocks, total_tokens)
+        return [b.block_id for b in computed_blocks] + [b.block_id for b in new_blocks]
+
+    def _cache_full_blocks(self, request: Request, blocks: list[Block], num_tokens: int) -> None:
+        """Index the blocks that this step fills completely (their KV is written during the step)."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._block_hashes(request)
+        for i in range(min(num_tokens // self.block_size, len(hashes))):
+            self.pool.cache_block(blocks[i], hashes[i])
+
+    def free(self, request: Request) -> None:
+        """Give back a request's blocks, tail first, so its last blocks are evicted before its prefix."""
+        blocks = self.req_blocks.pop(request.req_id, [])
+        self.pool.free_blocks(list(reversed(blocks)))
+        self.req_hashes.pop(request.req_id, None)
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(req_id, [])]

@@ -1,0 +1,1 @@
+"""The engine loop: requests in, scheduled steps run, detokenized outputs out."""

@@ -1,0 +1,135 @@
+"""Generated token ids to streamed text, one step at a time, with stop strings.
+
+Decoding each new token on its own gets text wrong twice over: byte-level BPE (and SentencePiece
+byte fallback) splits one multi-byte character over several tokens, each of which decodes to
+'\ufffd', and SentencePiece-style tokenizers drop a token's leading space when it starts the text.
+So each step decodes a short window instead: the tokens already turned into text
+(`ids[prefix_offset:read_offset]`) plus the new ones, and keeps what the window's text has beyond
+the prefix's text. While the window's text ends in an unfinished character, the new tokens are held
+until a later token completes it.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from transformers import PreTrainedTokenizerBase
+
+# Prompt tokens decoded as context for the first output token, so it gets its leading space right.
+_PROMPT_CONTEXT_TOKENS = 5
+# A UTF-8 character spans at most 4 bytes. Tokens still unfinished after this many hold invalid
+# bytes: they are released as they decode, which keeps every step's window this short.
+_MAX_HELD_TOKENS = 8
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Detokenizes one generated sequence and watches it for stop strings.
+
+    Each engine step: `stop = detok.update(new_token_ids)`, then `detok.get_next_delta(final)` for
+    the text to stream, with `final=True` once the sequence has finished. `output_text` is
+    `tokenizer.decode(output_ids, skip_special_tokens=...)` so far, cut before the first stop string
+    (or after it with `include_stop_str_in_output`); `stop_str` is the stop string that matched, if
+    any. The first output token is decoded after the last few prompt tokens, so with
+    SentencePiece-style tokenizers it keeps its leading space and `prompt_text + output_text` reads
+    right (`tokenizer.decode(output_ids)` alone would drop that space).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool,
+        stop: list[str],
+        include_stop_str_in_output: bool,
+    ) -> None:
+        if any(not s for s in stop):
+            raise ValueError(f"Stop strings must be non-empty; remove '' from stop={stop!r}.")
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stop = list(stop)
+        self._include_stop = include_stop_str_in_output
+        self.output_text = ""
+        self.stop_str: str | None = None
+        self._num_sent = 0  # characters of output_text already returned by get_next_delta
+        # Context tokens, then output tokens. Text exists for ids[:read_offset]; the window starts
+        # at prefix_offset, and prefix_text is the decoded ids[prefix_offset:read_offset].
+        self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._prefix_text = self._decode(self._ids)
+        if self._prefix_text.endswith(_REPLACEMENT_CHAR):
+            # The prompt ends inside a character: the window would no longer start with its text
+            # once an output token completes that character, so decode without context.
+            self._ids, self._prefix_text = [], ""
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Appends generated tokens; returns the stop string they completed, else None.
+
+        After a match `output_text` is final and the tokens after the matching one are ignored.
+        """
+        if self.stop_str is not None:
+            raise RuntimeError(f"update() called after stop string {self.stop_str!r} ended the sequence.")
+        for token_id in new_token_ids:
+            self._ids.append(token_id)
+            window_text = self._decode(self._ids[self._prefix_offset :])
+            has_new_chars = len(window_text) > len(self._prefix_text)
+            complete = has_new_chars and not window_text.endswith(_REPLACEMENT_CHAR)
+            held_too_long = len(self._ids) - self._read_offset >= _MAX_HELD_TOKENS
+            if (complete or held_too_long) and self._release(window_text) is not None:
+                return self.stop_str
+        return None
+
+    def get_next_delta(self, final: bool) -> str:
+        """Returns the text not returned yet.
+
+        While the sequence runs (`final=False`), an end of the text that could still grow into a
+        stop string is held back, so a stop string never leaks into the stream. With `final=True`
+        tokens still waiting for the rest of a character are decoded as they are (a stop string
+        found in them still applies), and everything left is returned.
+        """
+        done = final or self.stop_str is not None
+        if done and self.stop_str is None and self._read_offset < len(self._ids):
+            self._release(self._decode(self._ids[self._prefix_offset :]))
+        end = len(self.output_text) if done else len(self.output_text) - self._partial_stop_len()
+        delta = self.output_text[self._num_sent : end]
+        self._num_sent = max(self._num_sent, end)
+        return delta
+
+    def _decode(self, token_ids: list[int]) -> str:
+        # A flat list of ids decodes to one string (decode() is typed for batches too).
+        return cast(str, self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens))
+
+    def _release(self, window_text: str) -> str | None:
+        """Moves the window past the held tokens and appends their text; returns a matched stop."""
+        new_text = window_text[len(self._prefix_text) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        return self._append(new_text)
+
+    def _append(self, new_text: str) -> str | None:
+        """Appends text and looks for stop strings that end inside it; cuts at the earliest one."""
+        old_len = len(self.output_text)
+        self.output_text += new_text
+        matches = []
+        for stop in self._stop:
+            # A new match ends in the new text, so it starts at most len(stop) - 1 characters before.
+            index = self.output_text.find(stop, max(0, old_len - len(stop) + 1))
+            if index != -1:
+                matches.append((index, stop))
+        if not matches:
+            return None
+        index, stop = min(matches, key=lambda match: match[0])
+        self.output_text = self.output_text[: index + len(stop) if self._include_stop else index]
+        self.stop_str = stop
+        return stop
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest end of output_text that is the start of some stop string."""
+        longest = 0
+        for stop in self._stop:
+            for n in range(min(len(stop) - 1, len(self.output_text)), longest, -1):
+                if self.output_text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest

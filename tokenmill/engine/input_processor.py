@@ -1,0 +1,98 @@
+"""Prompt in, validated core Requests out: tokenization, limits, and the n > 1 fan-out."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.core.request import Request
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class PreparedRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams  # max_tokens resolved
+    children: list[Request]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any | None, vocab_size: int, eos_token_ids: list[int], scheduler: Scheduler):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.scheduler = scheduler
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty; give some text or token ids.")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give prompts as token id lists.")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list):
+            return None, self._check_ids(prompt)
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt token ids must be a list of integers.")
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token id.")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}).")
+        return list(ids)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use generate() with a plain prompt.")
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def process(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
+        prompt_token_ids: list[int] | None = None,
+    ) -> PreparedRequest:
+        """Validate everything before anything is queued: a bad request raises ValueError and
+        leaves the engine untouched."""
+        if prompt_token_ids is None:
+            text, ids = self.tokenize(prompt)
+        else:
+            text, ids = (prompt if isinstance(prompt, str) else None), self._check_ids(prompt_token_ids)
+        params.check_vocab(self.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids).")
+        max_len = self.scheduler.config.max_model_len
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=max(1, max_len - len(ids)))
+        assert params.max_tokens is not None
+        self.scheduler.check_fits(len(ids), params.max_tokens)
+        children = self._fan_out(request_id, ids, params, priority)
+        return PreparedRequest(request_id, text, ids, params, children)
+
+    def _fan_out(self, request_id: str, ids: list[int], params: SamplingParams, priority: int) -> list[Request]:
+        """n samples of one prompt become n core requests; the siblings wait for the first to compute
+        the prompt, then reuse its KV blocks through the prefix cache."""
+        if params.n == 1:
+            return [Request(request_id, ids, params, self.eos_token_ids, priority)]
+        children: list[Request] = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            child_params = dataclasses.replace(params, n=1, seed=seed)
+            leader = children[0] if children else None
+            children.append(Request(f"{request_id}#{i}", ids, child_params, self.eos_token_ids, priority,
+                                    prefill_leader=leader))
+        return children

@@ -1,0 +1,168 @@
+"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from tokenmill.config import EngineArgs
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.input_processor import InputProcessor, PreparedRequest, Prompt
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.loader.hf import load_tokenizer
+from tokenmill.outputs import RequestMetrics, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline batch generation. With no `model`, the embedded SmolLM2-135M-Instruct.
+
+    Keyword arguments are those of `EngineArgs`: dtype, max_model_len, max_num_seqs,
+    max_num_batched_tokens, block_size, num_kv_blocks, kv_cache_memory_gb, enable_prefix_caching,
+    load_format ("auto" | "safetensors" | "gguf" | "dummy"), seed, device, attention_backend,
+    scheduling_policy ("fcfs" | "priority")."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.config, source = EngineArgs(model=model, **kwargs).create_engine_config()
+        self.tokenizer = load_tokenizer(source.tokenizer) if source.tokenizer else None
+        self.engine = EngineCore(self.config, source)
+        self.inputs = InputProcessor(
+            self.tokenizer, self.config.model.vocab_size, source.eos_token_ids, self.engine.scheduler
+        )
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}); outputs come
+        back in prompt order. Every prompt is validated before any is queued."""
+        prompt_list = _as_prompt_list(prompts)
+        params = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
+        priorities = _broadcast(list(priority) if priority is not None else 0, len(prompt_list), "priority")
+        prepared = [
+            self.inputs.process(str(next(self._ids)), p, sp, prio)
+            for p, sp, prio in zip(prompt_list, params, priorities)
+        ]
+        return self._run(prepared, use_tqdm)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts: list[Prompt] = [
+            {"prompt_token_ids": self.inputs.apply_chat_template(conv, add_generation_prompt)}  # type: ignore[arg-type]
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, *, chat: bool = False
+    ) -> Iterator[RequestOutput]:
+        """Yield the request's output after every step that changed it (`delta_text` holds the new
+        text); with chat=True the prompt is a list of messages."""
+        params = sampling_params or SamplingParams()
+        if chat:
+            prompt = {"prompt_token_ids": self.inputs.apply_chat_template(prompt)}  # type: ignore[arg-type]
+        yield from self._iterate([self.inputs.process(str(next(self._ids)), prompt, params)])
+
+    # ------------------------------------------------------------------ the step loop
+    def _run(self, prepared: list[PreparedRequest], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(prepared), desc="generate", unit="req", disable=not use_tqdm)
+        start, num_out = time.perf_counter(), 0
+        for result in self._iterate(prepared):
+            num_out += sum(len(o.token_ids) for o in result.outputs) if result.finished else 0
+            if result.finished:
+                finished[result.request_id] = result
+                bar.update(1)
+                bar.set_postfix(out_tok_s=f"{num_out / max(time.perf_counter() - start, 1e-9):.1f}", refresh=False)
+        bar.close()
+        return [finished[req.request_id] for req in prepared]
+
+    def _iterate(self, prepared: list[PreparedRequest]) -> Iterator[RequestOutput]:
+        """Queue the requests, then step the engine until all have finished, yielding each update."""
+        processor = OutputProcessor(self.tokenizer)
+        children: dict[str, list[Request]] = {}
+        for req in prepared:
+            processor.add_request(
+                req.request_id, req.prompt, req.prompt_token_ids, req.params, [c.req_id for c in req.children]
+            )
+            for child in req.children:
+                self.engine.add_request(child)
+            children[req.request_id] = req.children
+        remaining = len(prepared)
+        try:
+            while remaining:
+                results, to_stop = processor.process(self.engine.step())
+                for child_id in to_stop:
+                    self.engine.abort_request(child_id, RequestStatus.FINISHED_STOPPED)
+                for result in results:
+                    if result.finished:
+                        result.metrics = _metrics(children[result.request_id])
+                        remaining -= 1
+                    yield result
+        finally:  # a caller that stops iterating early must not leave requests holding blocks
+            for kids in children.values():
+                for child in kids:
+                    if not child.is_finished:
+                        self.engine.abort_request(child.req_id)
+
+
+def _parent(child_id: str) -> str:
+    return child_id.split("#", 1)[0]
+
+
+def _metrics(children: list[Request]) -> RequestMetrics:
+    first = children[0]
+    first_tokens = [c.first_token_time for c in children if c.first_token_time is not None]
+    return RequestMetrics(
+        arrival_time=first.arrival_time,
+        first_scheduled_time=first.first_scheduled_time,
+        first_token_time=min(first_tokens) if first_tokens else None,
+        finished_time=max((c.finished_time or 0.0) for c in children) or None,
+        num_preemptions=sum(c.num_preemptions for c in children),
+        num_cached_tokens=first.num_cached_tokens,
+    )
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single token-id list
+    if not prompts:
+        raise ValueError("no prompts given.")
+    return prompts
+
+
+def _broadcast(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts.")
+        return list(value)
+    return [value] * n

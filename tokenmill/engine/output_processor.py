@@ -1,0 +1,161 @@
+"""Turns per-step core outputs into RequestOutputs: detokenizes, applies stop strings, gathers n > 1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprobs
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class _Sequence:
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    delta_text: str = ""  # text added by the latest step, for streaming
+
+    def text(self) -> str:
+        return self.detokenizer.output_text if self.detokenizer else ""
+
+    def to_output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.text(),
+            token_ids=list(self.token_ids),
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            cumulative_logprob=self.cumulative_logprob,
+            delta_text=self.delta_text,
+        )
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[_Sequence]
+    prompt_logprobs: list[TokenLogprobs | None] | None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+
+class OutputProcessor:
+    """Child request ids are `{request_id}` for n == 1 and `{request_id}#{i}` otherwise."""
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, _RequestState] = {}
+        self.child_to_parent: dict[str, tuple[str, int]] = {}
+
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+        child_ids: list[str],
+    ) -> None:
+        sequences = [_Sequence(i, self._detokenizer(prompt_token_ids, params)) for i in range(len(child_ids))]
+        for seq in sequences if params.logprobs is not None else []:
+            seq.logprobs, seq.cumulative_logprob = [], 0.0
+        wants_prompt_lps = params.prompt_logprobs is not None
+        self.requests[request_id] = _RequestState(
+            request_id, prompt, prompt_token_ids, params, sequences, [] if wants_prompt_lps else None
+        )
+        for i, child_id in enumerate(child_ids):
+            self.child_to_parent[child_id] = (request_id, i)
+
+    def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
+            params.include_stop_str_in_output,
+        )
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the RequestOutputs that changed, and child ids the core must stop (stop strings)."""
+        changed: dict[str, _RequestState] = {}
+        to_stop: list[str] = []
+        for out in outputs:
+            parent = self.child_to_parent.get(out.req_id)
+            if parent is None:
+                continue
+            state = self.requests[parent[0]]
+            seq = state.sequences[parent[1]]
+            if self._apply(state, seq, out):
+                to_stop.append(out.req_id)
+            if seq.finish_reason is not None:
+                del self.child_to_parent[out.req_id]
+            changed[state.request_id] = state
+        results = [self._to_output(state) for state in changed.values()]
+        for state in changed.values():
+            for seq in state.sequences:
+                seq.delta_text = ""
+            if state.finished:
+                del self.requests[state.request_id]
+        return results, to_stop
+
+    def _apply(self, state: _RequestState, seq: _Sequence, out: EngineCoreOutput) -> bool:
+        """Fold one core output into a sequence; True when a stop string ended it."""
+        if out.new_prompt_logprobs and state.prompt_logprobs is not None:
+            room = len(state.prompt_token_ids) - len(state.prompt_logprobs)  # recompute resends them
+            state.prompt_logprobs.extend(self._decode_logprobs(out.new_prompt_logprobs[:room]))
+        if out.error is not None:
+            state.error = out.error
+        stopped_by_string = False
+        if out.new_token_ids:
+            seq.token_ids.extend(out.new_token_ids)
+            if seq.logprobs is not None and out.new_logprobs is not None:
+                seq.logprobs.extend(self._decode_logprobs([out.new_logprobs]))  # type: ignore[arg-type]
+                seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + out.new_logprobs[
+                    out.new_token_ids[-1]
+                ].logprob
+            if seq.detokenizer is not None:
+                stop_str = seq.detokenizer.update(out.new_token_ids)
+                if stop_str is not None and out.finish_reason is None:
+                    seq.finish_reason, seq.stop_reason = "stop", stop_str
+                    stopped_by_string = True
+        if out.finish_reason is not None and seq.finish_reason is None:
+            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+        if seq.detokenizer is not None:
+            # At the finish this also flushes tokens held back for an unfinished character.
+            seq.delta_text = seq.detokenizer.get_next_delta(final=seq.finish_reason is not None)
+        return stopped_by_string
+
+    def _decode_logprobs(self, entries: list[TokenLogprobs | None]) -> list[TokenLogprobs | None]:
+        if self.tokenizer is not None:
+            for entry in entries:
+                for tok, lp in (entry or {}).items():
+                    lp.decoded_token = self.tokenizer.decode([tok])
+        return entries
+
+    def _to_output(self, state: _RequestState) -> RequestOutput:
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[seq.to_output() for seq in state.sequences],
+            finished=state.finished,
+            prompt_logprobs=state.prompt_logprobs,
+            error=state.error,
+        )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for seq in state.sequences:
+            seq.finish_reason = seq.finish_reason or "abort"
+        for child_id in [c for c, (p, _) in self.child_to_parent.items() if p == request_id]:
+            del self.child_to_parent[child_id]
+        return self._to_output(state)

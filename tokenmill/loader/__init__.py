@@ -1,0 +1,1 @@
+"""Turn checkpoints in other formats (GGUF) into Hugging Face model folders."""

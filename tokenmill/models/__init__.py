@@ -1,0 +1,1 @@
+"""Model implementations as plain nn.Modules."""

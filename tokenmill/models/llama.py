@@ -1,0 +1,171 @@
+"""One decoder for the Llama, Mistral, Qwen2 (QKV bias) and Qwen3 (q/k RMSNorm) families.
+
+The forward takes a flat batch: every scheduled token of every request in one row
+(`input_ids`, `positions`: [num_tokens]), with the attention metadata passed explicitly."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.attention.backend import AttentionBackend
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.models.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
+from tokenmill.models.layers.norm import RMSNorm
+from tokenmill.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+# checkpoint name piece -> (our fused parameter piece, shard id)
+_STACKED = [
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+]
+
+
+def head_dim_of(hf_config: Any) -> int:
+    head_dim = getattr(hf_config, "head_dim", None)
+    return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, hf_config: Any, qk_norm: bool, qkv_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(hf_config)
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = QKVLinear(
+            hf_config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias
+        )
+        self.o_proj = Linear(self.num_heads * self.head_dim, hf_config.hidden_size)
+        eps = hf_config.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        # Bound by the model runner once the cache is allocated: [2, num_blocks, block_size, Hkv, D].
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(
+            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1
+        )
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)[0]
+            k = self.k_norm(k)[0]
+        q, k = apply_rotary(rotary, q, k)
+        if self.kv_cache is None:
+            raise RuntimeError("the KV cache was not bound to this attention layer")
+        out = backend.forward(q, k, v, self.kv_cache, meta, self.scale)  # [num_tokens, Hq, D]
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, qk_norm: bool, qkv_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = Attention(hf_config, qk_norm, qkv_bias)
+        self.mlp = MLP(hf_config.hidden_size, hf_config.intermediate_size)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rotary, meta, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM (see registry)."""
+
+    def __init__(self, hf_config: Any, backend: AttentionBackend, max_position: int) -> None:
+        super().__init__()
+        model_type = getattr(hf_config, "model_type", "llama")
+        qk_norm = model_type == "qwen3"
+        qkv_bias = bool(getattr(hf_config, "attention_bias", False)) or model_type == "qwen2"
+        self.config = hf_config
+        self.backend = backend
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(hf_config, qk_norm, qkv_bias) for _ in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else Linear(hf_config.hidden_size, hf_config.vocab_size)
+        self.rotary = RotaryEmbedding(head_dim_of(hf_config), max_position, rope_parameters(hf_config))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Returns the final hidden states, [num_tokens, hidden_size]."""
+        hidden = self.embed_tokens(input_ids)
+        rotary = self.rotary(positions)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, rotary, meta, self.backend)
+        return self.norm(hidden, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden_size] -> [n, vocab_size] float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (HF names) into our parameters; returns the names loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            shard_id: str | int | None = None
+            for ckpt_piece, our_piece, sid in _STACKED:
+                if f".{ckpt_piece}." in name:
+                    name, shard_id = name.replace(ckpt_piece, our_piece), sid
+                    break
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
+            owner = self.get_submodule(name.rpartition(".")[0])
+            loader = getattr(owner, "weight_loader", default_weight_loader)
+            loader(param, tensor.to(param.dtype), shard_id)
+            loaded.add(name)
+        return loaded

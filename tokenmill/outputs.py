@@ -1,0 +1,122 @@
+"""The plain dataclasses that cross layer boundaries.
+
+scheduler --SchedulerOutput--> model runner --ModelRunnerOutput--> scheduler --> RequestOutput --> caller.
+None of these hold tensors, so `core/` stays free of torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# token id -> its logprob; one of these per position.
+TokenLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or one resumed after preemption (its state was dropped)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step
+    total_num_scheduled_tokens: int
+    # Requests that ended (finished, aborted or preempted) since the last step: the runner drops them.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    # Only requests whose prompt is fully computed get a token; a partial prefill chunk samples nothing.
+    sampled_token_ids: dict[str, int]
+    # req_id -> top-k logprobs of the sampled position (the sampled token always included).
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # req_id -> one entry per prompt position computed this step (None for the first prompt token).
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    cumulative_logprob: float | None = None
+    delta_text: str = ""  # the text this update added (for streaming)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    metrics: RequestMetrics | None = None
+    error: str | None = None  # set when the request ended because of an error
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step changed for one request, from the scheduler to the engine's output side."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: TokenLogprobs | None = None
+    new_prompt_logprobs: list[TokenLogprobs | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,1 @@
+"""Model execution: per-step batch building, the model forward and sampling."""

@@ -1,0 +1,98 @@
+"""The runner's per-request state and the flat batch tensors built from it each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class RunnerRequestState:
+    req_id: str
+    num_prompt_tokens: int
+    token_ids: list[int]  # prompt + generated so far
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass
+class StepBatch:
+    """Everything the model forward and the sampler need for one step."""
+
+    req_ids: list[str]
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn_metadata: AttentionMetadata
+    # Rows of the hidden states whose logits are sampled, one per request that samples this step.
+    sample_req_ids: list[str]
+    logits_indices: torch.Tensor  # [num_sampled] int64
+    # Prompt logprobs: req_id -> (first hidden row, number of rows, first prompt position predicted).
+    prompt_logprob_rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+
+
+def build_step_batch(
+    states: list[RunnerRequestState], num_scheduled: list[int], block_size: int, device: torch.device
+) -> StepBatch:
+    """Flatten the scheduled tokens of every request into one batch (numpy on the host, one copy each)."""
+    num_reqs = len(states)
+    query_lens = np.asarray(num_scheduled, dtype=np.int64)
+    qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=qsl[1:])
+    computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
+    seq_lens = computed + query_lens
+    num_tokens = int(qsl[-1])
+
+    # Position of every token: its request's computed count plus its offset within the request's chunk.
+    req_of_token = np.repeat(np.arange(num_reqs), query_lens)  # [num_tokens]
+    positions = computed[req_of_token] + (np.arange(num_tokens) - qsl[:-1][req_of_token])
+
+    max_blocks = max(len(s.block_ids) for s in states)
+    block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
+    input_ids = np.empty(num_tokens, dtype=np.int64)
+    sample_req_ids: list[str] = []
+    logits_indices: list[int] = []
+    prompt_rows: dict[str, tuple[int, int, int]] = {}
+    for i, state in enumerate(states):
+        block_tables[i, : len(state.block_ids)] = state.block_ids
+        start, end = int(computed[i]), int(seq_lens[i])
+        input_ids[qsl[i] : qsl[i + 1]] = state.token_ids[start:end]
+        if end == len(state.token_ids):
+            sample_req_ids.append(state.req_id)
+            logits_indices.append(int(qsl[i + 1]) - 1)
+        if state.sampling_params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
+            # Row for position p predicts prompt token p + 1.
+            num_rows = min(end, state.num_prompt_tokens - 1) - start
+            prompt_rows[state.req_id] = (int(qsl[i]), num_rows, start + 1)
+
+    slots = block_tables[req_of_token, positions // block_size].astype(np.int64) * block_size
+    slots += positions % block_size
+    meta = AttentionMetadata(
+        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+        block_tables=torch.from_numpy(block_tables).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
+        query_start_loc_cpu=qsl.tolist(),
+        seq_lens_cpu=seq_lens.tolist(),
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+    )
+    return StepBatch(
+        req_ids=[s.req_id for s in states],
+        input_ids=torch.from_numpy(input_ids).to(device),
+        positions=torch.from_numpy(positions).to(device),
+        attn_metadata=meta,
+        sample_req_ids=sample_req_ids,
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        prompt_logprob_rows=prompt_rows,
+    )

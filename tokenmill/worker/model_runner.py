@@ -1,0 +1,141 @@
+"""Runs one scheduled step: keeps per-request state, builds the flat batch, runs the model, samples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tokenmill.attention.backend import get_backend
+from tokenmill.config import EngineConfig
+from tokenmill.loader.model_loader import load_model
+from tokenmill.models.llama import head_dim_of
+from tokenmill.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenmill.sample.logprobs import compute_topk_logprobs, to_token_logprobs
+from tokenmill.sample.metadata import SamplingMetadata
+from tokenmill.sample.sampler import Sampler
+from tokenmill.worker.input_batch import RunnerRequestState, StepBatch, build_step_batch
+
+# Seeded requests reseed their generator from (seed, output position) each step, so a request's
+# samples depend on nothing else: not batch composition, not preemption and recompute.
+_SEED_STRIDE = 1_000_003
+
+
+def kv_cache_bytes_per_block(config: EngineConfig) -> int:
+    hf_config = config.model.hf_config
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    itemsize = torch.empty(0, dtype=getattr(torch, config.model.dtype)).element_size()
+    per_token = 2 * hf_config.num_hidden_layers * num_kv_heads * head_dim_of(hf_config) * itemsize
+    return per_token * config.cache.block_size
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, folder: Path | None, eos_token_ids: list[int]) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.cache.block_size
+        self.vocab_size = config.model.vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.backend = get_backend(config.attention_backend, self.device)
+        self.model = load_model(config.model, folder, self.backend, config.device)
+        self.sampler = Sampler()
+        self.states: dict[str, RunnerRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One [2, num_blocks, block_size, Hkv, D] tensor per layer, bound to its attention module.
+        Zeroed: padded context slots are masked, but must never hold NaN (0 * NaN = NaN)."""
+        dtype = getattr(torch, self.config.model.dtype)
+        self.kv_caches = []
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            cache = torch.zeros(
+                2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=self.device
+            )
+            attn.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    # ------------------------------------------------------------------ state updates
+    def _update_states(self, sched: SchedulerOutput) -> list[RunnerRequestState]:
+        for req_id in sched.finished_req_ids:
+            self.states.pop(req_id, None)
+        for new in sched.new_requests:
+            params = new.sampling_params
+            self.states[new.req_id] = RunnerRequestState(
+                req_id=new.req_id,
+                num_prompt_tokens=len(new.prompt_token_ids),
+                token_ids=new.prompt_token_ids + new.output_token_ids,
+                sampling_params=params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=torch.Generator(self.device) if params.seed is not None else None,
+            )
+        for cached in sched.cached_requests:
+            state = self.states[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+        return [self.states[req_id] for req_id in sched.num_scheduled_tokens]
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        states = self._update_states(sched)
+        if not states:
+            return ModelRunnerOutput(sampled_token_ids={})
+        num_scheduled = [sched.num_scheduled_tokens[s.req_id] for s in states]
+        batch = build_step_batch(states, num_scheduled, self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)  # [num_tokens, hidden]
+        output = ModelRunnerOutput(sampled_token_ids={})
+        if batch.prompt_logprob_rows:
+            output.prompt_logprobs = self._prompt_logprobs(hidden, batch)
+        if batch.sample_req_ids:
+            self._sample(hidden, batch, output)
+        for state, n in zip(states, num_scheduled):
+            state.num_computed_tokens += n
+        return output
+
+    def _sample(self, hidden: torch.Tensor, batch: StepBatch, output: ModelRunnerOutput) -> None:
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab]
+        states = [self.states[r] for r in batch.sample_req_ids]
+        for state in states:
+            if state.generator is not None:
+                seed = state.sampling_params.seed or 0
+                state.generator.manual_seed(seed * _SEED_STRIDE + len(state.token_ids))
+        meta = SamplingMetadata.build(
+            params=[s.sampling_params for s in states],
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            generators=[s.generator for s in states],
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        result = self.sampler(logits, meta)
+        sampled = result.sampled_token_ids.tolist()  # the step's one host sync for sampling
+        for state, token in zip(states, sampled):
+            state.token_ids.append(token)
+            output.sampled_token_ids[state.req_id] = token
+        if result.topk_token_ids is None:
+            return
+        ids, values, ranks = result.topk_token_ids, result.topk_logprobs, result.sampled_ranks
+        for row, state in enumerate(states):
+            k = state.sampling_params.logprobs
+            if k is not None:
+                output.logprobs[state.req_id] = to_token_logprobs(
+                    ids[row : row + 1, : k + 1], values[row : row + 1, : k + 1], ranks[row : row + 1]
+                )[0]
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch) -> dict[str, list[TokenLogprobs | None]]:
+        out: dict[str, list[TokenLogprobs | None]] = {}
+        for req_id, (row, num_rows, first_target) in batch.prompt_logprob_rows.items():
+            state = self.states[req_id]
+            k = state.sampling_params.prompt_logprobs or 0
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[row : row + num_rows]), dim=-1)
+            targets = torch.tensor(
+                state.token_ids[first_target : first_target + num_rows], dtype=torch.int64, device=self.device
+            )
+            ids, values, ranks = compute_topk_logprobs(logprobs, targets, k)
+            entries: list[TokenLogprobs | None] = [None] if first_target == 1 else []
+            entries.extend(to_token_logprobs(ids, values, ranks))
+            out[req_id] = entries
+        return out
