@@ -49,13 +49,16 @@ def hf_model(folder: Path) -> Any:
 
 @torch.inference_mode()
 def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """HF transformers' greedy continuation: the reference our engine must equal token for token."""
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-        min_new_tokens=max_new_tokens, pad_token_id=0,
-    )
-    return out[0, len(prompt):].tolist()
+    """HF transformers' greedy continuation (argmax each step, never stopping at eos, never
+    suppressing it): the reference our engine must equal token for token."""
+    out, past, inputs = [], None, torch.tensor([prompt])
+    for _ in range(max_new_tokens):
+        result = model(inputs, past_key_values=past, use_cache=True)
+        past = result.past_key_values
+        token = int(result.logits[0, -1].argmax())
+        out.append(token)
+        inputs = torch.tensor([[token]])
+    return out
 
 
 def random_prompts(n: int, min_len: int, max_len: int, vocab: int = 512, seed: int = 0) -> list[list[int]]:

@@ -109,6 +109,7 @@ def test_missing_package_error_says_how_to_install(monkeypatch: pytest.MonkeyPat
         find_default_gguf()
 
 
+@pytest.mark.slow
 def test_gguf_q4_1_block_decodes_as_the_ggml_spec_says(gguf_reader: GGUFReader) -> None:
     # Q4_1 block: f16 scale d, f16 min m, 16 bytes of nibbles; low nibbles are values 0-15, high 16-31.
     tensor = _tensor(gguf_reader, "blk.0.attn_v.weight")

@@ -58,6 +58,9 @@ class KVCacheManager:
         At least one token is always left to compute, since the step must produce its logits."""
         if not self.enable_prefix_caching:
             return [], 0
+        if request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need the logits of every prompt position: a hit would skip some.
+            return [], 0
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[Block] = []

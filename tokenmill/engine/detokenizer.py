@@ -2,7 +2,7 @@
 
 Decoding each new token on its own gets text wrong twice over: byte-level BPE (and SentencePiece
 byte fallback) splits one multi-byte character over several tokens, each of which decodes to
-'\ufffd', and SentencePiece-style tokenizers drop a token's leading space when it starts the text.
+U+FFFD, and SentencePiece-style tokenizers drop a token's leading space when it starts the text.
 So each step decodes a short window instead: the tokens already turned into text
 (`ids[prefix_offset:read_offset]`) plus the new ones, and keeps what the window's text has beyond
 the prefix's text. While the window's text ends in an unfinished character, the new tokens are held

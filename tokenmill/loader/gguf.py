@@ -117,7 +117,7 @@ def gguf_to_hf_folder(
         reader = GGUFReader(gguf_path)  # parsing the metadata takes seconds: do it once
         state_dict, config = _load_checkpoint(reader, dtype)
         save_file(state_dict, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
-        del state_dict
+        del state_dict  # free the weights before the tokenizer conversion loads its own copy of the vocab
         _write_json(tmp_dir / "config.json", {**config, "dtype": str(dtype).removeprefix("torch.")})
         _write_json(tmp_dir / "generation_config.json", _generation_config(config))
         _write_tokenizer(reader, gguf_path, tmp_dir, config["max_position_embeddings"])

@@ -1,0 +1,1 @@
+"""Token sampling: penalties, filters, seeded draws, and logprobs."""
