@@ -60,13 +60,16 @@ class Sampler(nn.Module):
         if meta.min_p is not None:
             threshold = meta.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
-        # Exponential race: argmax(p / E), E ~ Exp(1), draws from p. Each seeded row fills its own
-        # noise from its own generator, so its draw ignores its row index and its neighbours.
-        noise = torch.empty_like(probs).exponential_()
+        # Inverse-CDF draw: one uniform per row. A seeded row takes its uniform from its own
+        # generator, so its draw ignores its row index and its neighbours.
+        uniform = torch.rand(probs.shape[0], device=probs.device)
         for row, gen in enumerate(meta.generators):
             if gen is not None:
-                noise[row].exponential_(generator=gen)
-        return (probs / noise).argmax(dim=-1)
+                uniform[row] = torch.rand(1, generator=gen, device=probs.device)[0]
+        cdf = probs.cumsum(dim=-1)  # [num_reqs, vocab_size]
+        targets = (uniform * cdf[:, -1]).unsqueeze(1)  # [num_reqs, 1]
+        # right=True: the first token whose cdf exceeds the target, so zero-probability tokens never win.
+        return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
