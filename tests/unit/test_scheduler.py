@@ -281,15 +281,18 @@ def test_aborting_an_unknown_or_finished_request_is_a_no_op() -> None:
 
 
 # ---------------------------------------------------------------------------------------- preemption
-def _three_requests_outgrowing_six_blocks(policy: str, priorities: list[int]) -> tuple[Scheduler, FakeRunner, list[Request]]:
+def _three_requests_outgrowing_six_blocks(
+    policy: str, priorities: list[int], waiting: tuple[Request, ...] = ()
+) -> tuple[Scheduler, FakeRunner, list[Request]]:
     """a, b, c (arriving in that order) each have a 4-token prompt and want 8 tokens: 3 blocks each, 9 in
-    all, from a pool of 6. Their third blocks are needed at step 6; returns the scheduler before it."""
-    scheduler = make_scheduler(num_blocks=6, policy=policy)
+    all, from a pool of 6. Their third blocks are needed at step 6; returns the scheduler before it.
+    With max_num_seqs 3, requests in `waiting` stay waiting meanwhile."""
+    scheduler = make_scheduler(num_blocks=6, policy=policy, max_num_seqs=3)
     requests = [
         make_request(name, prompt_len=4, max_tokens=8, priority=prio, arrival=float(i))
         for i, (name, prio) in enumerate(zip("abc", priorities))
     ]
-    for request in requests:
+    for request in [*requests, *waiting]:
         scheduler.add_request(request)
     runner = FakeRunner()
     for _ in range(5):
@@ -365,6 +368,45 @@ def test_every_request_finishes_with_all_its_tokens_despite_preemption(policy: s
         assert request.output_token_ids == list(range(100, 108))
         assert request.status == RequestStatus.FINISHED_LENGTH
     assert_no_block_leaked(scheduler)
+
+
+def test_a_higher_priority_request_admitted_later_is_not_the_victim() -> None:
+    scheduler = make_scheduler(num_blocks=4, policy="priority")
+    low = make_request("low", prompt_len=4, max_tokens=8, priority=1, arrival=0.0)
+    scheduler.add_request(low)
+    runner = FakeRunner()
+    step(scheduler, runner)  # "low" runs alone first
+    high = make_request("high", prompt_len=4, max_tokens=8, priority=0, arrival=1.0)
+    scheduler.add_request(high)  # it joins the running list after "low"
+
+    while scheduler.stats.num_preemptions == 0:
+        step(scheduler, runner)
+    assert low.status == RequestStatus.PREEMPTED
+    assert high.status == RequestStatus.RUNNING
+
+
+def test_a_preempted_request_goes_back_to_the_front_of_the_fcfs_queue() -> None:
+    d = make_request("d", prompt_len=4, max_tokens=1, arrival=3.0)
+    scheduler, runner, _ = _three_requests_outgrowing_six_blocks("fcfs", [0, 0, 0], waiting=(d,))
+    step(scheduler, runner)  # c is preempted while d has been waiting since the start
+    assert [r.req_id for r in scheduler.waiting] == ["c", "d"]
+    admitted = [n.req_id for out in run_to_completion(scheduler, runner) for n in out.new_requests]
+    assert admitted == ["c", "d"]
+
+
+def test_a_step_that_preempts_admits_no_waiting_request() -> None:
+    scheduler = make_scheduler(num_blocks=3, policy="priority")
+    scheduler.add_request(make_request("a", prompt_len=4, arrival=0.0))  # 1 block, needs a 2nd next step
+    scheduler.add_request(make_request("c", prompt_len=8, arrival=1.0))  # 2 blocks
+    runner = FakeRunner()
+    step(scheduler, runner)
+    scheduler.add_request(make_request("urgent", prompt_len=2, priority=-1, arrival=2.0))
+
+    out, _ = step(scheduler, runner)  # a preempts c and leaves one block free, enough for "urgent"
+    assert out.finished_req_ids == {"c"}
+    assert out.new_requests == []  # blocks are short: no new work this step
+    out, _ = step(scheduler, runner)
+    assert [n.req_id for n in out.new_requests] == ["urgent"]
 
 
 def test_a_request_that_cannot_grow_preempts_itself_when_it_is_last_in_line() -> None:

@@ -40,7 +40,7 @@ class BenchRequest:
 
 
 # (rng, number of requests, token ids drawn below this) -> [(prompt, output_len)]
-LengthsFn = Callable[[np.random.Generator, int, int], list[tuple[list[int], int]]]
+RequestSampler = Callable[[np.random.Generator, int, int], list[tuple[list[int], int]]]
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Workload:
     name: str
     num_requests: int
     description: str
-    generate: LengthsFn
+    generate: RequestSampler
     temperature: float = 1.0
 
 
@@ -56,7 +56,7 @@ def _tokens(rng: np.random.Generator, n: int, high: int) -> list[int]:
     return rng.integers(0, high, size=n).tolist()
 
 
-def _uniform(prompt: tuple[int, int], output: tuple[int, int]) -> LengthsFn:
+def _uniform(prompt: tuple[int, int], output: tuple[int, int]) -> RequestSampler:
     def generate(rng: np.random.Generator, n: int, high: int) -> list[tuple[list[int], int]]:
         prompt_lens = rng.integers(prompt[0], prompt[1] + 1, size=n)
         output_lens = rng.integers(output[0], output[1] + 1, size=n)
@@ -65,7 +65,7 @@ def _uniform(prompt: tuple[int, int], output: tuple[int, int]) -> LengthsFn:
     return generate
 
 
-def _fixed(prompt_len: int, output_len: int) -> LengthsFn:
+def _fixed(prompt_len: int, output_len: int) -> RequestSampler:
     return _uniform((prompt_len, prompt_len), (output_len, output_len))
 
 
@@ -95,13 +95,13 @@ def _shared_prefix(rng: np.random.Generator, n: int, high: int) -> list[tuple[li
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in [
-        Workload("random-cpu", 64, "prompt uniform 64-512, output uniform 32-256 (nano-vllm protocol, CPU size)",
+        Workload("random-cpu", 64, "prompt 64-512, output 32-256, uniform (nano-vllm protocol, CPU size)",
                  _uniform((64, 512), (32, 256)), temperature=0.6),
-        Workload("random-gpu", 256, "prompt uniform 100-1024, output uniform 100-1024 (nano-vllm protocol)",
+        Workload("random-gpu", 256, "prompt 100-1024, output 100-1024, uniform (nano-vllm protocol)",
                  _uniform((100, 1024), (100, 1024)), temperature=0.6),
-        Workload("sharegpt-like", 256, "log-normal prompt (mean ~226, <= 1024) and output (mean ~199), total <= 2048",
+        Workload("sharegpt-like", 256, "log-normal: prompt mean ~226 (<= 1024), output ~199, total <= 2048",
                  _sharegpt_like),
-        Workload("shared-prefix", 64, "one 1024-token shared prefix + 64 unique tokens, 128 out (prefix caching)",
+        Workload("shared-prefix", 64, "1024-token shared prefix + 64 unique tokens, 128 out",
                  _shared_prefix),
         Workload("fixed-1024-128", 64, "prompt 1024, output 128 (prefill-heavy)", _fixed(1024, 128)),
         Workload("fixed-128-1024", 64, "prompt 128, output 1024 (decode-heavy)", _fixed(128, 1024)),

@@ -1,0 +1,156 @@
+"""`tokenmill bench <subcommand>`: benchmarks from the command line.
+
+    tokenmill bench throughput --workload random-cpu --dtype bfloat16 --output-json results.json
+    tokenmill bench throughput --workload random-cpu --static-batching --max-num-seqs 16
+
+Each subcommand registers itself in `add_bench_parser`; `bench` has its own subparsers so more
+(serve, compare) can be added beside `throughput`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tokenmill.bench.datasets import WORKLOADS
+
+if TYPE_CHECKING:
+    from tokenmill.bench.throughput import ThroughputResult
+    from tokenmill.engine.llm import LLM
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `bench` (with its own subcommands) to the top-level `tokenmill` subparsers."""
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    _add_throughput_parser(bench_sub)
+    return bench
+
+
+def _add_throughput_parser(subparsers: argparse._SubParsersAction) -> None:
+    from tokenmill.cli import add_engine_args
+
+    workloads = "; ".join(f"{w.name}: {w.num_requests} requests, {w.description}" for w in WORKLOADS.values())
+    parser = subparsers.add_parser(
+        "throughput",
+        help="offline throughput of a standard workload (--seed also seeds the workload)",
+        description=f"Offline throughput of a standard workload. Workloads: {workloads}.",
+    )
+    add_engine_args(parser)
+    parser.add_argument("--workload", default="random-cpu", choices=list(WORKLOADS))
+    parser.add_argument("--num-prompts", type=int, default=None, help="override the workload's request count")
+    parser.add_argument("--max-prompt-len", type=int, default=None,
+                        help="keep only the last N tokens of longer prompts (to fit a short context)")
+    parser.add_argument("--max-output-len", type=int, default=None, help="cap output lengths at N tokens")
+    parser.add_argument("--static-batching", action="store_true",
+                        help="fixed batches of --max-num-seqs requests, no refill (the baseline)")
+    parser.add_argument("--output-json", type=Path, default=None,
+                        help="write the command, machine, config and results here")
+    parser.add_argument("--progress", action="store_true", help="show a progress bar (adds overhead)")
+    parser.set_defaults(func=cmd_throughput)
+
+
+def cmd_throughput(args: argparse.Namespace) -> None:
+    from tokenmill import LLM
+    from tokenmill.bench.datasets import check_fits, make_workload
+    from tokenmill.bench.throughput import run_throughput
+    from tokenmill.cli import engine_kwargs
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    requests = make_workload(
+        args.workload, llm.config.model.vocab_size, seed=args.seed, num_requests=args.num_prompts,
+        max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len,
+    )
+    check_fits(requests, llm.config.model.max_model_len)
+    result = run_throughput(llm, requests, args.static_batching, args.max_num_seqs, use_tqdm=args.progress)
+    mode = f"static batches of {args.max_num_seqs}" if args.static_batching else "continuous batching"
+    print(f"\n{args.workload}: {mode}, {engine_config(llm)['dtype']}, {llm.config.model.model}")
+    print(format_result(result))
+    if args.output_json:
+        report = {
+            "command": shlex.join(sys.argv),
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
+            "machine": machine_info(),
+            "config": engine_config(llm),
+            "workload": {"name": args.workload, "seed": args.seed, "num_requests": len(requests),
+                         "max_prompt_len": args.max_prompt_len, "max_output_len": args.max_output_len},
+            "results": result.to_dict(),
+        }
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.output_json}")
+
+
+def format_result(result: ThroughputResult) -> str:
+    util = result.kv_slot_utilization
+    rows = [
+        ("requests", f"{result.num_requests}"),
+        ("prompt / output tokens", f"{result.prompt_tokens} / {result.output_tokens}"),
+        ("elapsed", f"{result.elapsed_s:.2f} s"),
+        ("requests/s", f"{result.requests_per_s:.2f}"),
+        ("output tok/s", f"{result.output_tok_s:.1f}"),
+        ("total tok/s", f"{result.total_tok_s:.1f}"),
+        ("KV-slot utilisation", f"{util:.1%} (waste {1 - util:.1%})"),
+        ("prefix cache hit rate", f"{result.prefix_cache_hit_rate:.1%}"),
+        ("preemptions", f"{result.num_preemptions}"),
+        ("engine steps", f"{result.num_steps}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def machine_info() -> dict[str, Any]:
+    """What a benchmark result needs to say about where it ran."""
+    import torch
+
+    import tokenmill
+
+    info: dict[str, Any] = {
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpus_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "tokenmill": tokenmill.__version__,
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def engine_config(llm: LLM) -> dict[str, Any]:
+    """The resolved engine settings that change throughput."""
+    config = llm.config
+    return {
+        "model": config.model.model,
+        "load_format": config.model.load_format,
+        "dtype": config.model.dtype,
+        "max_model_len": config.model.max_model_len,
+        "max_num_seqs": config.scheduler.max_num_seqs,
+        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        "scheduling_policy": config.scheduler.policy,
+        "block_size": config.cache.block_size,
+        "num_kv_blocks": llm.engine.num_blocks,
+        "enable_prefix_caching": config.cache.enable_prefix_caching,
+        "device": config.device,
+        "attention_backend": llm.engine.runner.backend.name,
+        "seed": config.model.seed,
+    }
