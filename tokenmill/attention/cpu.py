@@ -1,13 +1,16 @@
-"""Attention built on torch's scaled_dot_product_attention (fused kernels on CPU and GPU).
+"""The fast CPU attention path (also runs on GPU without its C++ part).
 
-Decode rows of a step are batched into one SDPA call over their padded contexts; prompt chunks
-run one request at a time, with the plain causal kernel when there is no cached prefix."""
+Decode rows of a step go to our C++ paged-decode kernel, which reads each KV block in place once
+per step; where it cannot be built (or off CPU) they are batched into one SDPA call over gathered,
+padded contexts. Prompt chunks run one request at a time through SDPA, with the plain causal kernel
+when there is no cached prefix."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from tokenmill.attention import cpu_kernels
 from tokenmill.attention.backend import write_kv
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.torch_ref import gather_context
@@ -15,6 +18,12 @@ from tokenmill.attention.torch_ref import gather_context
 
 class SDPABackend:
     name = "sdpa"
+
+    def __init__(self, device: torch.device, use_cpp_kernels: bool = True) -> None:
+        kernels = cpu_kernels.load() if use_cpp_kernels and device.type == "cpu" else None
+        self._paged_decode = kernels.paged_decode if kernels is not None else None
+        if self._paged_decode is not None:
+            self.name = "cpu"
 
     def forward(
         self,
@@ -27,7 +36,7 @@ class SDPABackend:
     ) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping)
         if meta.is_all_decode:
-            return self._decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
+            return self._decode_rows(q, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
         out = torch.empty_like(q)
         qsl = meta.query_start_loc_cpu
         decode_reqs = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
@@ -35,7 +44,7 @@ class SDPABackend:
             rows = torch.tensor([qsl[i] for i in decode_reqs], device=q.device)
             reqs = torch.tensor(decode_reqs, device=q.device)
             max_len = max(meta.seq_lens_cpu[i] for i in decode_reqs)
-            out[rows] = self._decode(
+            out[rows] = self._decode_rows(
                 q[rows], kv_cache, meta.block_tables[reqs], meta.seq_lens[reqs], max_len, scale
             )
         for i, seq_len in enumerate(meta.seq_lens_cpu):
@@ -46,8 +55,16 @@ class SDPABackend:
                                            meta.block_tables[i], seq_len, scale)
         return out
 
+    def _decode_rows(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+        max_seq_len: int, scale: float,
+    ) -> torch.Tensor:
+        if self._paged_decode is not None:
+            return self._paged_decode(q.contiguous(), kv_cache, block_tables, seq_lens, scale)
+        return self._decode_sdpa(q, kv_cache, block_tables, seq_lens, max_seq_len, scale)
+
     @staticmethod
-    def _decode(
+    def _decode_sdpa(
         q: torch.Tensor,  # [B, Hq, D]
         kv_cache: torch.Tensor,
         block_tables: torch.Tensor,  # [B, max_blocks]
