@@ -40,6 +40,8 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
 
     if name == "torch_ref":
         return TorchRefBackend()
-    if name in ("auto", "cpu", "sdpa"):
-        return SDPABackend()
-    raise ValueError(f"unknown attention backend {name!r}; use 'auto', 'cpu' or 'torch_ref'.")
+    if name in ("auto", "cpu"):
+        return SDPABackend(device)
+    if name == "sdpa":  # the same path without our C++ decode kernel
+        return SDPABackend(device, use_cpp_kernels=False)
+    raise ValueError(f"unknown attention backend {name!r}; use 'auto', 'cpu', 'sdpa' or 'torch_ref'.")
