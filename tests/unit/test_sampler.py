@@ -2,110 +2,403 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
+from tokenmill.outputs import Logprob
+from tokenmill.sample.logprobs import compute_topk_logprobs, to_token_logprobs
 from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sample.penalties import apply_penalties
-from tokenmill.sample.sampler import Sampler
+from tokenmill.sample.sampler import Sampler, SamplerOutput
 from tokenmill.sampling_params import SamplingParams
 
 VOCAB = 8
+EOS = 7
+CPU = torch.device("cpu")
+# 99.9% quantile of the chi-square distribution with 7 degrees of freedom (VOCAB - 1).
+CHI2_7_DOF_999 = 24.32
 
 
-def meta(params: list[SamplingParams], outputs: list[list[int]] | None = None,
-         prompts: list[list[int]] | None = None, generators: list | None = None) -> SamplingMetadata:
+def build(
+    params: list[SamplingParams],
+    outputs: list[list[int]] | None = None,
+    prompts: list[list[int]] | None = None,
+    generators: list[torch.Generator | None] | None = None,
+    vocab_size: int = VOCAB,
+) -> SamplingMetadata:
     n = len(params)
     return SamplingMetadata.build(
-        params, prompts or [[0]] * n, outputs or [[]] * n, generators or [None] * n,
-        eos_token_ids=[7], vocab_size=VOCAB, device=torch.device("cpu"),
+        params,
+        prompt_token_ids=prompts or [[0]] * n,
+        output_token_ids=outputs or [[]] * n,
+        generators=generators or [None] * n,
+        eos_token_ids=[EOS],
+        vocab_size=vocab_size,
+        device=CPU,
     )
 
 
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    outputs: list[list[int]] | None = None,
+    generators: list[torch.Generator | None] | None = None,
+    vocab_size: int = VOCAB,
+) -> torch.Tensor:
+    meta = build(params, outputs=outputs, generators=generators, vocab_size=vocab_size)
+    out: SamplerOutput = Sampler()(logits, meta)
+    return out.sampled_token_ids
+
+
 def draws(logits: torch.Tensor, params: SamplingParams, num: int = 4000) -> torch.Tensor:
-    """`num` samples from one row, drawn as one batch of identical rows."""
-    batch = logits.unsqueeze(0).repeat(num, 1)
-    return Sampler()(batch, meta([params] * num)).sampled_token_ids
+    """`num` independent samples from one row of logits, drawn as one batch of identical rows."""
+    return sample(logits.unsqueeze(0).repeat(num, 1), [params] * num)
 
 
-def test_greedy_is_argmax() -> None:
+def chi_square(samples: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    observed = torch.bincount(samples, minlength=expected_probs.numel()).double()
+    expected = expected_probs.double() * samples.numel()
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------- greedy
+
+
+def test_greedy_picks_the_argmax() -> None:
     logits = torch.randn(5, VOCAB)
-    out = Sampler()(logits, meta([SamplingParams(temperature=0.0)] * 5))
-    assert out.sampled_token_ids.tolist() == logits.argmax(-1).tolist()
+    assert sample(logits, [SamplingParams(temperature=0.0)] * 5).tolist() == logits.argmax(-1).tolist()
+
+
+def test_greedy_rows_in_a_mixed_batch_ignore_filters_and_seeds() -> None:
+    logits = torch.randn(4, VOCAB)
+    params = [
+        SamplingParams(temperature=0.0, top_k=1, top_p=0.1, min_p=0.9, seed=3),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=2),
+    ]
+    out = sample(logits, params, generators=[seeded(3), None, None, None])
+    assert out[[0, 2]].tolist() == logits[[0, 2]].argmax(-1).tolist()
+
+
+def test_sampler_leaves_the_callers_logits_unchanged_and_accepts_half_precision() -> None:
+    logits = torch.randn(3, VOCAB).to(torch.bfloat16)
+    before = logits.clone()
+    params = [
+        SamplingParams(temperature=0.5, top_k=3, top_p=0.9, repetition_penalty=1.5, logit_bias={1: 2.0})
+    ] * 3
+    out = Sampler()(logits, build(params, outputs=[[1, 2]] * 3))
+    assert torch.equal(logits, before)
+    assert out.sampled_token_ids.dtype == torch.int64 and out.sampled_token_ids.shape == (3,)
+
+
+# ---------------------------------------------------------------- the sampled distribution
 
 
 def test_samples_follow_softmax_of_logits_over_temperature() -> None:
     torch.manual_seed(0)
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -2.0, 0.3, 0.1])
     samples = draws(logits, SamplingParams(temperature=0.7), num=20000)
-    freq = torch.bincount(samples, minlength=VOCAB).float() / samples.numel()
-    expected = torch.softmax(logits / 0.7, dim=-1)
+    assert chi_square(samples, torch.softmax(logits / 0.7, dim=-1)) < CHI2_7_DOF_999
+
+
+def test_top_k_samples_follow_the_renormalized_top_k_softmax() -> None:
+    torch.manual_seed(1)
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.5, 2.0, 0.0, 1.0, -2.0])
+    samples = draws(logits, SamplingParams(temperature=1.0, top_k=3), num=20000)
+    kept = [1, 3, 4]
+    assert set(samples.tolist()) == set(kept)
+    expected = torch.softmax(logits[kept], dim=-1)
+    freq = torch.bincount(samples, minlength=VOCAB)[kept].float() / samples.numel()
     assert torch.allclose(freq, expected, atol=0.015)
 
 
-def test_top_k_top_p_and_min_p_never_pick_filtered_tokens() -> None:
-    torch.manual_seed(1)
+def test_top_p_keeps_the_smallest_set_of_most_likely_tokens_reaching_p() -> None:
+    torch.manual_seed(2)
     logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0])
     probs = torch.softmax(logits, dim=-1)
-    assert set(draws(logits, SamplingParams(top_k=2)).tolist()) == {0, 1}
-    # top_p=0.7: tokens 0 (p=.45) and 1 (p=.27) reach it; token 2 starts beyond it.
-    assert probs[:2].sum() >= 0.7 > probs[:1].sum()
+    # p(0) = 0.457 < 0.7 <= p(0) + p(1) = 0.735: tokens 0 and 1 are the nucleus.
+    assert probs[:1].sum() < 0.7 <= probs[:2].sum()
     assert set(draws(logits, SamplingParams(top_p=0.7)).tolist()) == {0, 1}
-    # min_p=0.5 keeps tokens with p >= 0.5 * p_max: tokens 0 and 1 (0.27/0.45 = 0.61), not 2 (0.37).
+
+
+def test_top_p_applies_to_what_top_k_left() -> None:
+    torch.manual_seed(3)
+    logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0])
+    # After top_k=3 the renormalized probabilities are 0.51, 0.31, 0.19: 0.8 needs tokens 0 and 1 only.
+    renormalized = torch.softmax(logits[:3], dim=-1)
+    assert renormalized[:1].sum() < 0.8 <= renormalized[:2].sum()
+    assert set(draws(logits, SamplingParams(top_k=3, top_p=0.8)).tolist()) == {0, 1}
+
+
+def test_min_p_drops_tokens_below_min_p_times_the_top_probability() -> None:
+    torch.manual_seed(4)
+    logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0])
+    probs = torch.softmax(logits, dim=-1)
+    # p / p_max: token 1 -> e^-0.5 = 0.61 (kept), token 2 -> e^-1 = 0.37 (dropped).
+    assert probs[1] >= 0.5 * probs[0] > probs[2]
     assert set(draws(logits, SamplingParams(min_p=0.5)).tolist()) == {0, 1}
 
 
-def test_a_seed_fixes_the_draw_whatever_the_batch() -> None:
-    logits = torch.randn(6, VOCAB)
-    params = [SamplingParams(temperature=1.0) for _ in range(6)]
-    params[3] = SamplingParams(temperature=1.0, seed=42)
-
-    def seeded_draw(rows: list[int]) -> int:
-        gens = [torch.Generator().manual_seed(42) if r == 3 else None for r in rows]
-        out = Sampler()(logits[rows], meta([params[r] for r in rows], generators=gens))
-        return int(out.sampled_token_ids[rows.index(3)])
-
-    alone = seeded_draw([3])
-    assert seeded_draw([0, 1, 2, 3, 4, 5]) == alone
-    assert seeded_draw([5, 3, 1]) == alone
+def test_filters_apply_to_their_own_row_only() -> None:
+    torch.manual_seed(5)
+    logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0]).repeat(3000, 1)
+    params = [SamplingParams(top_k=1), SamplingParams(top_k=2), SamplingParams(temperature=5.0)] * 1000
+    out = sample(logits, params)
+    assert set(out[0::3].tolist()) == {0}
+    assert set(out[1::3].tolist()) == {0, 1}
+    assert set(out[2::3].tolist()) == set(range(VOCAB))
 
 
-def test_repetition_presence_and_frequency_penalties_match_hand_computation() -> None:
-    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0, 0.0, 0.0, 0.0, 0.0]])
-    out = apply_penalties(
-        logits.clone(), torch.tensor([[0, 8]]), torch.tensor([[1, 3, 3]]),
-        torch.tensor([2.0]), torch.tensor([0.5]), torch.tensor([0.25]),
+# ---------------------------------------------------------------- seeds
+
+
+def test_a_seeded_row_draws_its_noise_from_its_own_generator() -> None:
+    # Reference: inverse CDF, the first token whose cumulative probability exceeds one uniform drawn
+    # from the request's generator.
+    logits = torch.randn(1, 1000)
+    u = torch.rand(1, dtype=torch.float64, generator=seeded(42)).item()
+    cdf = torch.softmax(logits[0] / 0.9, dim=-1).double().cumsum(0)
+    expected = int((cdf <= u * cdf[-1]).sum())
+    assert (
+        sample(logits, [SamplingParams(temperature=0.9, seed=42)], generators=[seeded(42)]).item() == expected
     )
-    # token 0 seen in the prompt: 2.0 / 2; token 1 output once: -1 * 2 - 0.5 - 0.25;
-    # token 3 output twice: 1.0 / 2 - 0.5 - 2 * 0.25; the rest untouched.
-    expected = torch.tensor([[1.0, -2.75, 0.5, -0.5, 0.0, 0.0, 0.0, 0.0]])
-    assert torch.allclose(out, expected)
 
 
-def test_logit_bias_forces_a_token() -> None:
-    logits = torch.randn(1, VOCAB)
-    weakest = int(logits.argmin())
-    out = Sampler()(logits, meta([SamplingParams(temperature=0.0, logit_bias={weakest: 100.0})]))
-    assert int(out.sampled_token_ids[0]) == weakest
+def test_a_seed_fixes_the_draw_whatever_the_batch_position_and_neighbours() -> None:
+    vocab = 1000  # a wide, flat vocabulary: an accidental match is unlikely
+    logits = torch.randn(6, vocab) * 0.1
+    # Row 3 is seeded (42), row 1 too (7), the others use the default generator.
+    seeds: list[int | None] = [None, 7, None, 42, None, None]
+    params = [SamplingParams(temperature=1.0, seed=seed) for seed in seeds]
+
+    def draw_of_row_3(rows: list[int]) -> int:
+        gens = [None if seeds[r] is None else seeded(seeds[r] or 0) for r in rows]
+        out = sample(logits[rows], [params[r] for r in rows], generators=gens, vocab_size=vocab)
+        return int(out[rows.index(3)])
+
+    alone = draw_of_row_3([3])
+    assert draw_of_row_3([0, 1, 2, 3, 4, 5]) == alone
+    assert draw_of_row_3([5, 3, 1]) == alone
+    assert draw_of_row_3([1, 0, 4, 2, 5, 3]) == alone
+
+
+def test_different_seeds_draw_different_tokens() -> None:
+    vocab = 1000
+    logits = torch.zeros(5, vocab)
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(5)]
+    out = sample(logits, params, generators=[seeded(s) for s in range(5)], vocab_size=vocab)
+    assert len(set(out.tolist())) == 5
+
+
+# ---------------------------------------------------------------- penalties, bias, min_tokens
+
+
+def penalized(
+    logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]]
+) -> torch.Tensor:
+    meta = build(params, outputs=outputs, prompts=prompts)
+    out = logits.clone()
+    apply_penalties(
+        out,
+        meta.prompt_token_ids,
+        meta.output_token_ids,
+        meta.repetition_penalty,
+        meta.presence_penalty,
+        meta.frequency_penalty,
+    )
+    return out
+
+
+def reference_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]]
+) -> torch.Tensor:
+    """One token at a time: HF's repetition penalty over prompt + output, then OpenAI's
+    `logit - count * frequency - (count > 0) * presence` over the output."""
+    out = logits.clone()
+    for row, (p, prompt, output) in enumerate(zip(params, prompts, outputs)):
+        for token in set(prompt) | set(output):
+            x = float(out[row, token])
+            out[row, token] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        for token in set(output):
+            out[row, token] -= output.count(token) * p.frequency_penalty + p.presence_penalty
+    return out
+
+
+def test_repetition_penalty_pushes_seen_tokens_down_whatever_their_sign() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0, -3.0, 0.0, 0.0, 0.0]])
+    out = penalized(logits, [SamplingParams(repetition_penalty=2.0)], prompts=[[0, 4]], outputs=[[1]])
+    # seen: 0 (prompt, 2 / 2), 4 (prompt, -3 * 2), 1 (output, -1 * 2); 2 and 3 were never seen.
+    expected = torch.tensor([[1.0, -2.0, 0.5, 1.0, -6.0, 0.0, 0.0, 0.0]])
+    assert torch.equal(out, expected)
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0, 0.0, 0.0, 0.0, 0.0]])
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = penalized(logits, [params], prompts=[[0, 2]], outputs=[[1, 3, 3]])
+    # token 1 once: -1 - 0.5 - 0.25; token 3 twice: 1 - 0.5 - 2 * 0.25; prompt tokens 0 and 2 untouched.
+    expected = torch.tensor([[2.0, -1.75, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    assert torch.equal(out, expected)
+
+
+def test_penalties_match_a_per_token_reference_on_a_ragged_batch() -> None:
+    gen = seeded(6)
+    logits = torch.randn(4, VOCAB, generator=gen) * 3
+    params = [
+        SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.7),
+        SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.5),
+        SamplingParams(),  # no penalties: its row must come back untouched
+        SamplingParams(presence_penalty=-1.0, repetition_penalty=1.7),
+    ]
+    prompts = [[0, 1, 1, 5], [2], [3, 4, 5, 6, 7], [7, 7, 0]]
+    outputs = [[1, 2, 2, 2, 6], [], [0, 0], [3, 7, 3]]
+    out = penalized(logits, params, prompts, outputs)
+    assert torch.allclose(out, reference_penalties(logits, params, prompts, outputs))
+    assert torch.equal(out[2], logits[2])
+
+
+def test_logit_bias_is_added_to_the_logits_and_can_force_a_token() -> None:
+    logits = torch.randn(2, VOCAB)
+    weakest = int(logits[0].argmin())
+    params = [SamplingParams(temperature=0.0, logit_bias={weakest: 100.0}), SamplingParams(temperature=0.0)]
+    assert sample(logits, params).tolist() == [weakest, int(logits[1].argmax())]
+    # A bias of -100 on the favourite hands the win to the runner-up.
+    runner_up = int(logits[1].topk(2).indices[1])
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logit_bias={int(logits[1].argmax()): -100}),
+    ]
+    assert sample(logits, params)[1].item() == runner_up
 
 
 def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
-    logits = torch.zeros(2, VOCAB)
-    logits[:, 7] = 10.0  # eos
+    logits = torch.zeros(3, VOCAB)
+    logits[:, EOS] = 10.0
     logits[:, 5] = 9.0  # a stop token
     logits[:, 2] = 1.0
     params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5])
-    out = Sampler()(logits, meta([params, params], outputs=[[1], [1, 1, 1]]))
-    assert out.sampled_token_ids.tolist() == [2, 7]
+    out = sample(logits, [params] * 3, outputs=[[1], [1, 1], [1, 1, 1]])
+    assert out.tolist() == [2, 2, EOS]
 
 
-def test_logprobs_are_raw_log_softmax_with_ranks() -> None:
-    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0, -1.0, -2.0, -3.0, -4.0]])
-    # temperature and bias change what is sampled (token 4), not the reported distribution.
-    params = SamplingParams(temperature=0.0, logprobs=2, logit_bias={4: 50.0})
-    out = Sampler()(logits, meta([params]))
-    ref = torch.log_softmax(logits, dim=-1)[0]
-    assert out.sampled_token_ids.tolist() == [4]
+def test_min_tokens_with_ignore_eos_leaves_eos_allowed() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, EOS] = 10.0
+    logits[0, 5] = 11.0
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5], ignore_eos=True)
+    assert sample(logits, [params], outputs=[[1]]).tolist() == [EOS]
+
+
+def test_min_tokens_mask_beats_a_positive_logit_bias() -> None:
+    logits = torch.zeros(1, VOCAB)
+    params = SamplingParams(temperature=0.0, min_tokens=1, logit_bias={EOS: 100.0, 3: 1.0})
+    assert sample(logits, [params]).tolist() == [3]
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def test_logprobs_are_log_softmax_of_the_raw_logits() -> None:
+    torch.manual_seed(7)
+    logits = torch.randn(3, VOCAB)
+    # Temperature, filters, penalties and bias change what is sampled, not the reported distribution.
+    params = [
+        SamplingParams(temperature=0.3, top_k=2, logprobs=3, repetition_penalty=1.5, logit_bias={4: 5.0}),
+        SamplingParams(temperature=0.0, logprobs=1),
+        SamplingParams(temperature=2.0),
+    ]
+    out = Sampler()(logits, build(params, outputs=[[4, 5], [], [1]]))
     assert out.topk_token_ids is not None and out.topk_logprobs is not None and out.sampled_ranks is not None
+    ref = torch.log_softmax(logits, dim=-1)  # [3, VOCAB]
+    top3 = ref.topk(3, dim=-1)
+    assert out.topk_token_ids.shape == (3, 4)  # k = the largest request (3), plus the sampled token
+    assert torch.equal(out.topk_token_ids[:, 0], out.sampled_token_ids)
+    assert torch.equal(out.topk_token_ids[:, 1:], top3.indices)
+    assert torch.allclose(out.topk_logprobs[:, 1:], top3.values)
+    assert torch.allclose(
+        out.topk_logprobs[:, 0], ref.gather(1, out.sampled_token_ids.unsqueeze(1)).squeeze(1)
+    )
+
+
+def test_the_sampled_token_is_reported_with_its_rank_even_outside_the_top_k() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0, -1.0, -2.0, -3.0, -4.0]])
+    params = SamplingParams(temperature=0.0, logprobs=2, logit_bias={4: 50.0})
+    out = Sampler()(logits, build([params]))
+    ref = torch.log_softmax(logits, dim=-1)[0]
+    assert out.topk_token_ids is not None and out.topk_logprobs is not None and out.sampled_ranks is not None
+    assert out.sampled_token_ids.tolist() == [4]
     assert out.topk_token_ids[0].tolist() == [4, 1, 2]
     assert torch.allclose(out.topk_logprobs[0], ref[[4, 1, 2]])
-    assert out.sampled_ranks.tolist() == [5]
+    assert out.sampled_ranks.tolist() == [5]  # 3.0, 2.0, 1.0 and 0.0 are more likely than -1.0
+
+
+def test_no_logprobs_are_computed_when_nobody_asks() -> None:
+    out = Sampler()(torch.randn(2, VOCAB), build([SamplingParams(), SamplingParams(temperature=0.0)]))
+    assert out.topk_token_ids is None and out.topk_logprobs is None and out.sampled_ranks is None
+
+
+def test_compute_topk_logprobs_with_k_zero_gives_the_target_only() -> None:
+    logprobs = torch.log_softmax(torch.tensor([[0.0, 2.0, 1.0], [5.0, 1.0, 1.0]]), dim=-1)
+    ids, values, ranks = compute_topk_logprobs(logprobs, torch.tensor([2, 0]), k=0)
+    assert ids.tolist() == [[2], [0]]
+    assert torch.equal(values, logprobs[[0, 1], [2, 0]].unsqueeze(1))
+    assert ranks.tolist() == [2, 1]
+
+
+def test_to_token_logprobs_gives_the_target_its_rank_and_the_top_k_ranks_1_to_k() -> None:
+    logprobs = torch.log_softmax(torch.tensor([[0.0, 3.0, 2.0, 1.0], [0.0, 3.0, 2.0, 1.0]]), dim=-1)
+    ids, values, ranks = compute_topk_logprobs(logprobs, torch.tensor([0, 2]), k=2)
+    lp = logprobs[0].tolist()
+    entries = to_token_logprobs(ids, values, ranks)
+    # Row 0: target 0 is 4th; row 1: target 2 is also the 2nd of the top 2, so it appears once.
+    assert entries[0] == {0: Logprob(lp[0], 4), 1: Logprob(lp[1], 1), 2: Logprob(lp[2], 2)}
+    assert entries[1] == {2: Logprob(lp[2], 2), 1: Logprob(lp[1], 1)}
+    # Per-row k for a batch whose requests asked for different numbers.
+    trimmed = to_token_logprobs(ids, values, ranks, num_logprobs=[0, 1])
+    assert trimmed == [{0: Logprob(lp[0], 4)}, {2: Logprob(lp[2], 2), 1: Logprob(lp[1], 1)}]
+    assert math.isclose(sum(math.exp(v) for v in lp), 1.0, rel_tol=1e-6)
+
+
+# ---------------------------------------------------------------- metadata
+
+
+def test_a_plain_greedy_batch_takes_every_fast_path() -> None:
+    meta = build([SamplingParams(temperature=0.0, top_k=3, top_p=0.5, min_p=0.2)] * 2, prompts=[[1, 2], [3]])
+    assert meta.all_greedy and meta.no_top_k and meta.no_top_p and meta.no_min_p
+    assert meta.no_penalties and meta.no_logit_bias and meta.no_min_tokens
+    assert meta.max_num_logprobs is None
+    assert meta.prompt_token_ids.shape == (2, 0) and meta.output_token_ids.shape == (2, 0)
+
+
+def test_flags_turn_off_only_for_what_some_request_uses() -> None:
+    params = [
+        SamplingParams(top_k=4, logprobs=2),
+        SamplingParams(
+            top_k=VOCAB, min_p=0.1, presence_penalty=0.5, logprobs=5
+        ),  # top_k = vocab is no filter
+    ]
+    meta = build(params, prompts=[[1, 2, 3], [4]], outputs=[[5], [6, 6]])
+    assert not meta.all_greedy and not meta.no_top_k and meta.no_top_p and not meta.no_min_p
+    assert not meta.no_penalties and meta.no_logit_bias
+    assert meta.max_num_logprobs == 5
+    assert meta.top_k.tolist() == [4, VOCAB]
+    # Only the repetition penalty reads the prompt; presence and frequency read the output.
+    assert meta.prompt_token_ids.shape == (2, 0)
+    assert meta.output_token_ids.tolist() == [[5, VOCAB], [6, 6]]
+
+
+def test_build_rejects_lists_of_different_lengths() -> None:
+    with pytest.raises(ValueError, match="one entry per request"):
+        SamplingMetadata.build([SamplingParams()], [[1]], [[], []], [None], [EOS], VOCAB, CPU)
+
+
+def test_build_rejects_token_ids_outside_the_vocabulary() -> None:
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        build([SamplingParams(logit_bias={VOCAB: 1.0})])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -24,8 +24,8 @@ EOS = 2
 _prompt_starts = itertools.count(1000, 1000)
 
 
-def make_scheduler(num_blocks: int = 64, enable_prefix_caching: bool = True, **config: object) -> Scheduler:
-    return Scheduler(SchedulerConfig(**config), KVCacheManager(num_blocks, BS, enable_prefix_caching))  # type: ignore[arg-type]
+def make_scheduler(num_blocks: int = 64, **config: object) -> Scheduler:
+    return Scheduler(SchedulerConfig(**config), KVCacheManager(num_blocks, BS))  # type: ignore[arg-type]
 
 
 def make_request(
@@ -101,12 +101,17 @@ def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, lis
     return out, scheduler.update_from_output(out, runner.execute(out))
 
 
-def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 1000) -> list[SchedulerOutput]:
-    outs = []
-    while scheduler.has_unfinished():
-        assert len(outs) < max_steps, "the scheduler stopped making progress"
-        outs.append(step(scheduler, runner)[0])
-    return outs
+def steps(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 1000) -> Iterator[SchedulerOutput]:
+    """Step until every request has finished, yielding each step's SchedulerOutput."""
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return
+        yield step(scheduler, runner)[0]
+    raise AssertionError("the scheduler stopped making progress")
+
+
+def run_to_completion(scheduler: Scheduler, runner: FakeRunner) -> list[SchedulerOutput]:
+    return list(steps(scheduler, runner))
 
 
 def assert_no_block_leaked(scheduler: Scheduler) -> None:
@@ -133,9 +138,7 @@ def test_max_num_seqs_caps_the_batch_every_step() -> None:
     for request in requests:
         scheduler.add_request(request)
     running_counts = []
-    runner = FakeRunner()
-    while scheduler.has_unfinished():
-        out, _ = step(scheduler, runner)
+    for out in steps(scheduler, FakeRunner()):
         assert len(out.num_scheduled_tokens) <= 2
         running_counts.append(scheduler.num_running)
     assert max(running_counts) == 2
@@ -146,11 +149,9 @@ def test_chunked_prefill_splits_a_long_prompt_across_steps() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=8)
     request = make_request("long", prompt_len=20, max_tokens=3)
     scheduler.add_request(request)
-    runner = FakeRunner()
 
     chunks, tokens_after = [], []
-    while scheduler.has_unfinished():
-        out, _ = step(scheduler, runner)
+    for out in steps(scheduler, FakeRunner()):
         chunks.append(out.num_scheduled_tokens["long"])
         tokens_after.append(request.num_output_tokens)
 
@@ -296,7 +297,7 @@ def _three_requests_outgrowing_six_blocks(
         scheduler.add_request(request)
     runner = FakeRunner()
     for _ in range(5):
-        out, _ = step(scheduler, runner)
+        step(scheduler, runner)
     assert scheduler.stats.num_preemptions == 0
     assert scheduler.kv_cache.pool.num_free_blocks == 0
     return scheduler, runner, requests
@@ -348,14 +349,12 @@ def test_the_runner_is_told_to_drop_a_preempted_request_in_the_step_that_preempt
 def test_a_preempted_request_comes_back_as_a_new_request_with_its_outputs_so_far() -> None:
     scheduler, runner, (_, _, c) = _three_requests_outgrowing_six_blocks("fcfs", [0, 0, 0])
     step(scheduler, runner)  # c is preempted
-    resumed = []
-    while not resumed:
-        out, _ = step(scheduler, runner)
-        resumed = [n for n in out.new_requests if n.req_id == "c"]
-    assert resumed[0].prompt_token_ids == c.prompt_token_ids
-    assert resumed[0].output_token_ids == [100, 101, 102, 103, 104]
+    out = next(out for out in steps(scheduler, runner) if "c" in {n.req_id for n in out.new_requests})
+    (resumed,) = [n for n in out.new_requests if n.req_id == "c"]
+    assert resumed.prompt_token_ids == c.prompt_token_ids
+    assert resumed.output_token_ids == [100, 101, 102, 103, 104]
     # It recomputes prompt and outputs (less any cache hits) before it samples again.
-    assert out.num_scheduled_tokens["c"] == 9 - resumed[0].num_computed_tokens
+    assert out.num_scheduled_tokens["c"] == 9 - resumed.num_computed_tokens
     assert c.status == RequestStatus.RUNNING
 
 
@@ -379,8 +378,10 @@ def test_a_higher_priority_request_admitted_later_is_not_the_victim() -> None:
     high = make_request("high", prompt_len=4, max_tokens=8, priority=0, arrival=1.0)
     scheduler.add_request(high)  # it joins the running list after "low"
 
-    while scheduler.stats.num_preemptions == 0:
+    for _ in range(10):
         step(scheduler, runner)
+        if scheduler.stats.num_preemptions:
+            break
     assert low.status == RequestStatus.PREEMPTED
     assert high.status == RequestStatus.RUNNING
 
@@ -614,13 +615,13 @@ def test_a_sibling_waits_for_its_leader_prompt_then_hits_its_blocks() -> None:
 def test_a_waiting_sibling_does_not_hold_up_the_requests_behind_it() -> None:
     scheduler = make_scheduler()
     leader = make_request("s#0", prompt_len=10)
-    sibling = make_request("s#1", prompt=leader.prompt_token_ids, leader=leader)
     scheduler.add_request(leader)
-    scheduler.add_request(sibling)
+    for i in (1, 2):
+        scheduler.add_request(make_request(f"s#{i}", prompt=leader.prompt_token_ids, leader=leader))
     scheduler.add_request(make_request("other"))
     out, _ = step(scheduler, FakeRunner())
     assert sorted(out.num_scheduled_tokens) == ["other", "s#0"]
-    assert [r.req_id for r in scheduler.waiting] == ["s#1"]
+    assert [r.req_id for r in scheduler.waiting] == ["s#1", "s#2"]  # still in their order
 
 
 def test_a_sibling_of_an_aborted_leader_goes_ahead() -> None:

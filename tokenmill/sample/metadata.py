@@ -11,24 +11,42 @@ from tokenmill.sampling_params import SamplingParams
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor  # [num_reqs] float32 (1.0 on greedy rows, which never use it)
+    """Everything the sampler needs for one batch, one row per request.
+
+    Built once per step by `build`. The `no_*` / `all_greedy` flags let the sampler skip whole
+    stages: a batch of plain greedy requests costs one argmax. Rows where a setting is off hold
+    its neutral value (top_k = vocab_size, top_p = 1, min_p = 0, penalties 1 / 0 / 0).
+    """
+
+    temperature: torch.Tensor  # [num_reqs] float32, 1.0 on greedy rows (they never divide by it)
     greedy: torch.Tensor  # [num_reqs] bool
-    top_k: torch.Tensor | None  # [num_reqs] int64, vocab_size where disabled
-    top_p: torch.Tensor | None  # [num_reqs] float32
-    min_p: torch.Tensor | None  # [num_reqs] float32
-    generators: list[torch.Generator | None]
-    # Penalties (None when no request uses them).
-    prompt_tokens: torch.Tensor | None  # [num_reqs, max_prompt_len] int64, padded with vocab_size
-    output_tokens: torch.Tensor | None  # [num_reqs, max_output_len] int64, padded with vocab_size
-    repetition_penalty: torch.Tensor | None  # [num_reqs]
-    presence_penalty: torch.Tensor | None  # [num_reqs]
-    frequency_penalty: torch.Tensor | None  # [num_reqs]
-    # Sparse additions: (row, token, value) for logit_bias and -inf for min_tokens masking.
-    bias_rows: torch.Tensor | None
-    bias_cols: torch.Tensor | None
-    bias_values: torch.Tensor | None
+    top_k: torch.Tensor  # [num_reqs] int64, vocab_size where disabled
+    top_p: torch.Tensor  # [num_reqs] float32
+    min_p: torch.Tensor  # [num_reqs] float32
+    # Row -> its own generator, for sampled (non-greedy) rows whose request has a seed.
+    generators: dict[int, torch.Generator]
+    # Token histories for penalties, padded with vocab_size. Zero width when nobody needs them:
+    # the prompt only matters to the repetition penalty, the output to all three.
+    prompt_token_ids: torch.Tensor  # [num_reqs, max_prompt_len] int64
+    output_token_ids: torch.Tensor  # [num_reqs, max_output_len] int64
+    repetition_penalty: torch.Tensor  # [num_reqs] float32
+    presence_penalty: torch.Tensor  # [num_reqs] float32
+    frequency_penalty: torch.Tensor  # [num_reqs] float32
+    # logit_bias as sparse (row, token, value) triples.
+    bias_rows: torch.Tensor  # [num_biases] int64
+    bias_token_ids: torch.Tensor  # [num_biases] int64
+    bias_values: torch.Tensor  # [num_biases] float32
+    # (row, token) pairs that would end a request before its min_tokens: masked to -inf.
+    min_tokens_rows: torch.Tensor  # [num_masked] int64
+    min_tokens_token_ids: torch.Tensor  # [num_masked] int64
     all_greedy: bool
-    max_num_logprobs: int | None
+    no_penalties: bool
+    no_top_k: bool
+    no_top_p: bool
+    no_min_p: bool
+    no_logit_bias: bool
+    no_min_tokens: bool
+    max_num_logprobs: int | None  # the largest `logprobs` asked for in the batch; None if nobody asked
 
     @classmethod
     def build(
@@ -41,67 +59,110 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device,
     ) -> SamplingMetadata:
+        """One row per request, in batch order. `generators[i]` is request i's own generator (None to
+        use the default one); `output_token_ids[i]` are the tokens it has generated so far."""
+        num_reqs = len(params)
+        lengths = {len(prompt_token_ids), len(output_token_ids), len(generators)}
+        if lengths != {num_reqs}:
+            raise ValueError(
+                f"SamplingMetadata.build needs one entry per request in every list: got {num_reqs} params, "
+                f"{len(prompt_token_ids)} prompts, {len(output_token_ids)} outputs, "
+                f"{len(generators)} generators."
+            )
         greedy = [p.greedy for p in params]
-        temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device)
-        sampled = [p for p, g in zip(params, greedy) if not g]
+        # Filters only matter on rows that sample; greedy rows get the neutral value.
+        top_k = [
+            p.top_k if not g and 0 < p.top_k < vocab_size else vocab_size for p, g in zip(params, greedy)
+        ]
+        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        no_penalties = not any(p.uses_penalties for p in params)
+        uses_repetition = any(p.repetition_penalty != 1.0 for p in params)
 
-        def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        top_k = top_p = min_p = None
-        if any(0 < p.top_k < vocab_size for p in sampled):
-            top_k = column([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], torch.int64)
-        if any(p.top_p < 1.0 for p in sampled):
-            top_p = column([p.top_p for p in params], torch.float32)
-        if any(p.min_p > 0.0 for p in sampled):
-            min_p = column([p.min_p for p in params], torch.float32)
-
-        prompt_t = output_t = rep = pres = freq = None
-        if any(p.uses_penalties for p in params):
-            prompt_t = _pad(prompt_token_ids, vocab_size, device)
-            output_t = _pad(output_token_ids, vocab_size, device)
-            rep = column([p.repetition_penalty for p in params], torch.float32)
-            pres = column([p.presence_penalty for p in params], torch.float32)
-            freq = column([p.frequency_penalty for p in params], torch.float32)
-
-        rows: list[int] = []
-        cols: list[int] = []
-        values: list[float] = []
-        for i, (p, out) in enumerate(zip(params, output_token_ids)):
-            for tok, bias in (p.logit_bias or {}).items():
-                rows.append(i), cols.append(tok), values.append(bias)
-            if len(out) < p.min_tokens:  # too early to stop: hide every token that would end it
-                enders = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-                for tok in enders:
-                    rows.append(i), cols.append(tok), values.append(float("-inf"))
-        bias = (column(rows, torch.int64), column(cols, torch.int64), column(values, torch.float32)) if rows else (
-            None, None, None)
+        bias_rows, bias_ids, bias_values = _logit_bias_triples(params)
+        mask_rows, mask_ids = _min_tokens_pairs(params, output_token_ids, eos_token_ids)
+        _check_in_vocab(bias_ids + mask_ids, vocab_size)
 
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
         return cls(
-            temperature=temperature,
-            greedy=column(greedy, torch.bool),
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            generators=generators,
-            prompt_tokens=prompt_t,
-            output_tokens=output_t,
-            repetition_penalty=rep,
-            presence_penalty=pres,
-            frequency_penalty=freq,
-            bias_rows=bias[0],
-            bias_cols=bias[1],
-            bias_values=bias[2],
+            temperature=floats([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_k=ints(top_k),
+            top_p=floats(top_p),
+            min_p=floats(min_p),
+            generators={
+                i: gen for i, (gen, g) in enumerate(zip(generators, greedy)) if gen is not None and not g
+            },
+            prompt_token_ids=_pad(prompt_token_ids if uses_repetition else [], num_reqs, vocab_size, device),
+            output_token_ids=_pad(output_token_ids if not no_penalties else [], num_reqs, vocab_size, device),
+            repetition_penalty=floats([p.repetition_penalty for p in params]),
+            presence_penalty=floats([p.presence_penalty for p in params]),
+            frequency_penalty=floats([p.frequency_penalty for p in params]),
+            bias_rows=ints(bias_rows),
+            bias_token_ids=ints(bias_ids),
+            bias_values=floats(bias_values),
+            min_tokens_rows=ints(mask_rows),
+            min_tokens_token_ids=ints(mask_ids),
             all_greedy=all(greedy),
+            no_penalties=no_penalties,
+            no_top_k=all(k == vocab_size for k in top_k),
+            no_top_p=all(p == 1.0 for p in top_p),
+            no_min_p=all(p == 0.0 for p in min_p),
+            no_logit_bias=not bias_rows,
+            no_min_tokens=not mask_rows,
             max_num_logprobs=max(wanted) if wanted else None,
         )
 
 
-def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), max(width, 1)), pad, dtype=torch.int64)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
-    return out.to(device)
+def _logit_bias_triples(params: list[SamplingParams]) -> tuple[list[int], list[int], list[float]]:
+    rows: list[int] = []
+    token_ids: list[int] = []
+    values: list[float] = []
+    for row, p in enumerate(params):
+        for token_id, bias in (p.logit_bias or {}).items():
+            rows.append(row)
+            token_ids.append(token_id)
+            values.append(bias)
+    return rows, token_ids, values
+
+
+def _min_tokens_pairs(
+    params: list[SamplingParams], output_token_ids: list[list[int]], eos_token_ids: list[int]
+) -> tuple[list[int], list[int]]:
+    """Until a request has min_tokens outputs, every token that would stop it is banned. With
+    ignore_eos, eos does not stop a request, so it stays allowed."""
+    rows: list[int] = []
+    token_ids: list[int] = []
+    for row, (p, output) in enumerate(zip(params, output_token_ids)):
+        if len(output) >= p.min_tokens:
+            continue
+        enders = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | set(eos_token_ids)
+        rows.extend([row] * len(enders))
+        token_ids.extend(sorted(enders))
+    return rows, token_ids
+
+
+def _check_in_vocab(token_ids: list[int], vocab_size: int) -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(
+            f"token ids {sorted(set(bad))} (from logit_bias, stop_token_ids or eos_token_ids) are outside "
+            f"the vocabulary (size {vocab_size}); check requests with SamplingParams.check_vocab when they "
+            f"arrive."
+        )
+
+
+def _pad(rows: list[list[int]], num_reqs: int, pad: int, device: torch.device) -> torch.Tensor:
+    """[num_reqs, max_len] int64, padded with `pad`; zero width when `rows` is empty."""
+    if not rows:
+        return torch.empty(num_reqs, 0, dtype=torch.int64, device=device)
+    width = max(len(r) for r in rows)
+    padded = [r + [pad] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int64, device=device)

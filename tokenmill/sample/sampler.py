@@ -1,5 +1,6 @@
-"""Logits -> next tokens: bias and penalties, then greedy or temperature / top-k / top-p / min-p
-sampling, with per-request seeds that make a request's draws independent of the rest of the batch."""
+"""Logits -> next tokens: logit_bias, penalties and min_tokens masking, then greedy or
+temperature / top-k / top-p / min-p sampling, with per-request seeds that make a request's draws
+independent of the rest of the batch."""
 
 from __future__ import annotations
 
@@ -10,78 +11,107 @@ from torch import nn
 
 from tokenmill.sample.logprobs import compute_topk_logprobs
 from tokenmill.sample.metadata import SamplingMetadata
-from tokenmill.sample.penalties import apply_penalties
+from tokenmill.sample.penalties import apply_logit_bias, apply_penalties, mask_tokens
 
 
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [num_reqs] int64
-    # Only when a request asked for logprobs: column 0 is the sampled token, then the top k.
-    topk_token_ids: torch.Tensor | None = None  # [num_reqs, k + 1]
-    topk_logprobs: torch.Tensor | None = None  # [num_reqs, k + 1]
-    sampled_ranks: torch.Tensor | None = None  # [num_reqs] 1-based rank in the raw distribution
+    # Only when some request asked for logprobs, with k = SamplingMetadata.max_num_logprobs.
+    # Column 0 is the sampled token, then the k most likely tokens of the raw distribution.
+    topk_token_ids: torch.Tensor | None = None  # [num_reqs, k + 1] int64
+    topk_logprobs: torch.Tensor | None = None  # [num_reqs, k + 1] float32
+    sampled_ranks: torch.Tensor | None = None  # [num_reqs] int64, 1-based rank of the sampled token
 
 
 class Sampler(nn.Module):
+    """Picks one token per row. The caller's logits are left unchanged.
+
+    Order: raw logprobs (if asked) -> logit_bias -> penalties -> min_tokens mask -> argmax for greedy
+    rows; temperature -> top-k -> top-p -> min-p -> draw for the others. Reported logprobs describe
+    the model's own distribution (log_softmax of the unmodified logits), as in vLLM and HF.
+    """
+
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()  # [num_reqs, vocab_size]
-        # Logprobs describe the model's own distribution, before any request-specific processing.
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
-        logits = self._adjust(logits, meta)
-        greedy_tokens = logits.argmax(dim=-1)
-        if meta.all_greedy:
-            sampled = greedy_tokens
-        else:
-            sampled = torch.where(meta.greedy, greedy_tokens, self._sample(logits, meta))
-        if raw_logprobs is None or meta.max_num_logprobs is None:
+        logits = logits.to(torch.float32, copy=True)  # [num_reqs, vocab_size], ours to change in place
+        k = meta.max_num_logprobs
+        raw_logprobs = logits.log_softmax(dim=-1) if k is not None else None  # [num_reqs, vocab_size]
+        _apply_request_adjustments(logits, meta)
+        sampled = _pick(logits, meta)  # [num_reqs]
+        if raw_logprobs is None or k is None:
             return SamplerOutput(sampled)
-        ids, values, ranks = compute_topk_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
-        return SamplerOutput(sampled, ids, values, ranks)
-
-    @staticmethod
-    def _adjust(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        if meta.bias_rows is not None and meta.bias_cols is not None and meta.bias_values is not None:
-            logits = logits.index_put((meta.bias_rows, meta.bias_cols), meta.bias_values, accumulate=True)
-        if meta.prompt_tokens is not None and meta.output_tokens is not None:
-            assert meta.repetition_penalty is not None and meta.presence_penalty is not None
-            assert meta.frequency_penalty is not None
-            logits = apply_penalties(
-                logits, meta.prompt_tokens, meta.output_tokens,
-                meta.repetition_penalty, meta.presence_penalty, meta.frequency_penalty,
-            )
-        return logits
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        logits = logits / meta.temperature.unsqueeze(1)
-        if meta.top_k is not None or meta.top_p is not None:
-            logits = _top_k_top_p(logits, meta.top_k, meta.top_p)
-        probs = logits.softmax(dim=-1)  # [num_reqs, vocab_size]
-        if meta.min_p is not None:
-            threshold = meta.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        # Inverse-CDF draw: one uniform per row. A seeded row takes its uniform from its own
-        # generator, so its draw ignores its row index and its neighbours.
-        uniform = torch.rand(probs.shape[0], device=probs.device)
-        for row, gen in enumerate(meta.generators):
-            if gen is not None:
-                uniform[row] = torch.rand(1, generator=gen, device=probs.device)[0]
-        cdf = probs.cumsum(dim=-1)  # [num_reqs, vocab_size]
-        targets = (uniform * cdf[:, -1]).unsqueeze(1)  # [num_reqs, 1]
-        # right=True: the first token whose cdf exceeds the target, so zero-probability tokens never win.
-        return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+        token_ids, values, ranks = compute_topk_logprobs(raw_logprobs, sampled, k)
+        return SamplerOutput(sampled, token_ids, values, ranks)
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask to -inf everything outside each row's top k and its top-p nucleus (one sort for both)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [num_reqs, vocab_size]
+def _apply_request_adjustments(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    if not meta.no_logit_bias:
+        apply_logit_bias(logits, meta.bias_rows, meta.bias_token_ids, meta.bias_values)
+    if not meta.no_penalties:
+        apply_penalties(
+            logits,
+            meta.prompt_token_ids,
+            meta.output_token_ids,
+            meta.repetition_penalty,
+            meta.presence_penalty,
+            meta.frequency_penalty,
+        )
+    # Last, so no bias or penalty can lift a banned token back from -inf.
+    if not meta.no_min_tokens:
+        mask_tokens(logits, meta.min_tokens_rows, meta.min_tokens_token_ids)
+
+
+def _pick(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    greedy_ids = logits.argmax(dim=-1)  # [num_reqs]
+    if meta.all_greedy:
+        return greedy_ids
+    return torch.where(meta.greedy, greedy_ids, _sample(logits, meta))
+
+
+def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Draws one token per row from the filtered softmax(logits / temperature); changes `logits`."""
+    logits /= meta.temperature.unsqueeze(1)
+    if not (meta.no_top_k and meta.no_top_p):
+        _apply_top_k_top_p(
+            logits, None if meta.no_top_k else meta.top_k, None if meta.no_top_p else meta.top_p
+        )
+    probs = logits.softmax(dim=-1)  # [num_reqs, vocab_size]
+    if not meta.no_min_p:
+        threshold = meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [num_reqs, 1]
+        probs.masked_fill_(probs < threshold, 0.0)
+    # Inverse CDF with one uniform per row (a vocab-wide noise row per step costs more than the
+    # rest of sampling). A seeded row takes its uniform from its own generator, so its draw depends
+    # on neither its row index nor its neighbours. float64 keeps the cumulative sum exact enough;
+    # right=True picks the first token whose cdf exceeds the target, so a zero-probability token
+    # (a flat step of the cdf) can never win.
+    uniform = torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device)  # [num_reqs]
+    for row, generator in meta.generators.items():
+        uniform[row] = torch.rand(1, dtype=torch.float64, generator=generator, device=probs.device)[0]
+    cdf = probs.to(torch.float64).cumsum_(dim=-1)  # [num_reqs, vocab_size]
+    targets = (uniform * cdf[:, -1]).unsqueeze(1)  # [num_reqs, 1]
+    return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor,  # [num_reqs, vocab_size], masked in place
+    top_k: torch.Tensor | None,  # [num_reqs] int64, vocab_size where disabled
+    top_p: torch.Tensor | None,  # [num_reqs] float32, 1.0 where disabled
+) -> None:
+    """Masks to -inf every token outside the row's k most likely, then outside the smallest set of
+    the remaining (renormalized) tokens whose probability reaches top_p. One ascending sort serves both."""
+    sorted_logits, order = logits.sort(dim=-1)  # [num_reqs, vocab_size], ascending
     vocab_size = logits.shape[1]
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)  # [num_reqs, vocab_size], in sorted order
     if top_k is not None:
-        ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+        positions = torch.arange(vocab_size, device=logits.device).unsqueeze(0)  # [1, vocab_size]
+        drop |= positions < (vocab_size - top_k).unsqueeze(1)
+        sorted_logits.masked_fill_(drop, float("-inf"))
     if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token once the tokens before it already reach top_p (the first is always kept).
-        before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(before >= top_p.unsqueeze(1), float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+        # Ascending cumsum = the mass of a token and everything less likely. Dropping while that mass
+        # is <= 1 - top_p keeps the nucleus; top_p = 1 then drops only zero-probability tokens,
+        # whatever the rounding of the sum.
+        mass_at_or_below = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [num_reqs, vocab_size]
+        nucleus_drop = mass_at_or_below <= (1.0 - top_p).unsqueeze(1)
+        nucleus_drop[:, -1] = False  # the most likely token always stays
+        drop |= nucleus_drop
+    logits.masked_fill_(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))

@@ -100,7 +100,8 @@ class ModelRunner:
         for state in states:
             if state.generator is not None:
                 seed = state.sampling_params.seed or 0
-                state.generator.manual_seed(seed * _SEED_STRIDE + len(state.token_ids))
+                # Any Python int is a valid seed: fold it into the generator's 64 bits.
+                state.generator.manual_seed((seed * _SEED_STRIDE + len(state.token_ids)) % 2**64)
         meta = SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states],
@@ -115,15 +116,17 @@ class ModelRunner:
         for state, token in zip(states, sampled):
             state.token_ids.append(token)
             output.sampled_token_ids[state.req_id] = token
-        if result.topk_token_ids is None:
+        if result.topk_token_ids is None or result.topk_logprobs is None or result.sampled_ranks is None:
             return
-        ids, values, ranks = result.topk_token_ids, result.topk_logprobs, result.sampled_ranks
-        for row, state in enumerate(states):
-            k = state.sampling_params.logprobs
-            if k is not None:
-                output.logprobs[state.req_id] = to_token_logprobs(
-                    ids[row : row + 1, : k + 1], values[row : row + 1, : k + 1], ranks[row : row + 1]
-                )[0]
+        rows = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
+        entries = to_token_logprobs(
+            result.topk_token_ids[rows],
+            result.topk_logprobs[rows],
+            result.sampled_ranks[rows],
+            num_logprobs=[states[i].sampling_params.logprobs or 0 for i in rows],
+        )
+        for i, entry in zip(rows, entries):
+            output.logprobs[states[i].req_id] = entry
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch) -> dict[str, list[TokenLogprobs | None]]:
         out: dict[str, list[TokenLogprobs | None]] = {}
