@@ -207,6 +207,23 @@ def test_a_repeated_prompt_starts_from_its_cached_blocks() -> None:
     assert again.num_cached_tokens == 8
 
 
+def test_a_prefix_lookup_is_counted_once_per_admission_not_per_retry() -> None:
+    # 6 blocks: "big" (16 tokens) takes 4, evicting the tail of "first" but not its two prompt
+    # blocks; "again" needs those 2 plus 1 new, so it retries its lookup until "big" ends.
+    scheduler = make_scheduler(num_blocks=6)
+    prompt = list(range(500, 510))
+    runner = FakeRunner()
+    scheduler.add_request(make_request("first", prompt=prompt))
+    run_to_completion(scheduler, runner)
+    scheduler.add_request(make_request("big", prompt_len=16, max_tokens=1))
+    scheduler.add_request(make_request("again", prompt=prompt))
+    first_step, _ = step(scheduler, runner)
+    assert list(first_step.num_scheduled_tokens) == ["big"]  # "again" looked up its prefix and waited
+    run_to_completion(scheduler, runner)
+    stats = scheduler.kv_cache.stats
+    assert (stats.queries, stats.hits) == (10 + 16 + 10, 8)
+
+
 # ---------------------------------------------------------------------------------------- freeing
 def test_no_block_leaks_once_all_requests_finish() -> None:
     rng = random.Random(1)

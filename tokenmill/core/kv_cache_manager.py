@@ -69,10 +69,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.stats.queries += request.num_tokens
+        return hits, len(hits) * self.block_size
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (not every retry while it waited for blocks)."""
+        self.stats.queries += num_tokens
         self.stats.hits += num_hit_tokens
-        return hits, num_hit_tokens
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[Block] | None = None

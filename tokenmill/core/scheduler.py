@@ -178,6 +178,7 @@ class Scheduler:
             if new_block_ids is None:
                 break  # the pool is full: wait for running requests to finish
             self.waiting.pop()
+            self.kv_cache.record_lookup(request.num_tokens, num_cached)
             request.prefill_leader = None
             request.num_computed_tokens = num_cached
             if request.first_scheduled_time is None:

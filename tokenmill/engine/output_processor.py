@@ -108,8 +108,9 @@ class OutputProcessor:
     def _apply(self, state: _RequestState, seq: _Sequence, out: EngineCoreOutput) -> bool:
         """Fold one core output into a sequence; True when a stop string ended it."""
         if out.new_prompt_logprobs and state.prompt_logprobs is not None:
-            room = len(state.prompt_token_ids) - len(state.prompt_logprobs)  # recompute resends them
-            state.prompt_logprobs.extend(self._decode_logprobs(out.new_prompt_logprobs[:room]))
+            if out.new_prompt_logprobs[0] is None:  # a chunk from position 0: a recompute starts over
+                state.prompt_logprobs.clear()
+            state.prompt_logprobs.extend(self._decode_logprobs(out.new_prompt_logprobs))
         if out.error is not None:
             state.error = out.error
         stopped_by_string = False
