@@ -1,4 +1,4 @@
-"""Command line: tokenmill generate | chat | bench throughput."""
+"""Command line: tokenmill generate | chat | serve | bench throughput."""
 
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=d.device)
     parser.add_argument("--attention-backend", default=d.attention_backend)
     parser.add_argument("--scheduling-policy", default=d.scheduling_policy, help="fcfs | priority")
+    parser.add_argument("--quantization", default=d.quantization,
+                        help="int8: per-channel int8 weights quantized at load (default: none)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -111,6 +113,10 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(chat)
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    from tokenmill.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
 
     from tokenmill.bench.cli import add_bench_parser
 

@@ -19,6 +19,7 @@ class ModelConfig:
     load_format: str = "auto"
     seed: int = 0
     tokenizer: str | None = None  # folder with the tokenizer files; None when the model has none
+    quantization: str | None = None  # a method in tokenmill.quant (e.g. "int8"); None = full precision
 
     @property
     def vocab_size(self) -> int:
@@ -78,6 +79,7 @@ class EngineArgs:
     device: str = "cpu"
     attention_backend: str = "auto"
     scheduling_policy: str = "fcfs"
+    quantization: str | None = None  # "int8": per-channel int8 weights, quantized at load
 
     def create_engine_config(self) -> tuple[EngineConfig, Any]:
         """Returns the frozen config and the resolved model source (folder, tokenizer, eos ids)."""
@@ -85,6 +87,9 @@ class EngineArgs:
 
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {self.load_format!r}; use one of {LOAD_FORMATS}.")
+        from tokenmill.quant import check_quantization
+
+        check_quantization(self.quantization)
         source = resolve_source(self.model, self.load_format)
         hf_config = source.hf_config
         model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
@@ -101,6 +106,7 @@ class EngineArgs:
             load_format=self.load_format,
             seed=self.seed,
             tokenizer=source.tokenizer,
+            quantization=self.quantization,
         )
         cache = CacheConfig(
             block_size=self.block_size,

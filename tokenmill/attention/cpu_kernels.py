@@ -22,7 +22,10 @@ def load() -> ModuleType | None:
         return cpp_extension.load(
             name="tokenmill_paged_decode",
             sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"],
+            extra_cflags=[
+                "-O3", "-march=native", "-fopenmp",
+                "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+            ],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

@@ -9,7 +9,9 @@ from tokenmill.attention.backend import write_kv
 from tokenmill.attention.metadata import AttentionMetadata
 
 
-def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_context(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A request's keys and values in token order: two [seq_len, Hkv, D] tensors."""
     block_size = kv_cache.shape[2]
     blocks = block_table[: -(-seq_len // block_size)].long()

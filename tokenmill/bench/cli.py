@@ -2,6 +2,10 @@
 
     tokenmill bench throughput --workload random-cpu --dtype bfloat16 --output-json results.json
     tokenmill bench throughput --workload random-cpu --static-batching --max-num-seqs 16
+    tokenmill bench setup-peer llamacpp
+    tokenmill bench compare --workload random-cpu --peers vllm,llamacpp,ct2,hf --repeat 3 --plot compare.png
+    tokenmill bench serve --base-url http://127.0.0.1:8000 --workload random-cpu --request-rate inf
+    tokenmill bench quality --quantization int8
 
 Each subcommand registers itself in `add_bench_parser`; `bench` has its own subparsers so more
 (serve, compare) can be added beside `throughput`."""
@@ -26,9 +30,19 @@ if TYPE_CHECKING:
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `bench` (with its own subcommands) to the top-level `tokenmill` subparsers."""
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, compare, setup-peer, quality")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     _add_throughput_parser(bench_sub)
+    from tokenmill.bench.quality import add_quality_parser
+
+    add_quality_parser(bench_sub)
+    from tokenmill.bench.compare_cli import add_compare_parser, add_setup_peer_parser
+
+    add_compare_parser(bench_sub)
+    add_setup_peer_parser(bench_sub)
+    from tokenmill.bench.serve import add_serve_parser
+
+    add_serve_parser(bench_sub)
     return bench
 
 
@@ -153,4 +167,5 @@ def engine_config(llm: LLM) -> dict[str, Any]:
         "device": config.device,
         "attention_backend": llm.engine.runner.backend.name,
         "seed": config.model.seed,
+        "quantization": config.model.quantization,
     }

@@ -43,6 +43,7 @@ class EngineCore:
         self.kv_cache = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.num_idle_steps = 0  # consecutive steps that scheduled nothing while requests waited
+        self.num_failed_steps = 0  # model steps that raised (the server treats one as fatal)
         logger.info(
             "engine ready: %d KV blocks of %d tokens, dtype %s, attention %s",
             self.num_blocks, config.cache.block_size, config.model.dtype, self.runner.backend.name,
@@ -70,6 +71,7 @@ class EngineCore:
         try:
             runner_out = self.runner.execute(sched)
         except Exception as exc:  # a failed forward ends the step's requests, never the engine
+            self.num_failed_steps += 1
             logger.exception("model step failed; ending the %d requests in it", len(sched.num_scheduled_tokens))
             return self._fail(list(sched.num_scheduled_tokens), f"engine error during the model step: {exc!r}")
         return self.scheduler.update_from_output(sched, runner_out)

@@ -132,10 +132,6 @@ class LLM:
                         self.engine.abort_request(child.req_id)
 
 
-def _parent(child_id: str) -> str:
-    return child_id.split("#", 1)[0]
-
-
 def _metrics(children: list[Request]) -> RequestMetrics:
     first = children[0]
     first_tokens = [c.first_token_time for c in children if c.first_token_time is not None]

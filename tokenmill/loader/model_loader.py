@@ -103,4 +103,8 @@ def load_model(config: ModelConfig, folder: Path | None, backend: AttentionBacke
         missing = {n for n, _ in model.named_parameters()} - loaded
         if missing:
             raise ValueError(f"the checkpoint in {folder} lacks {sorted(missing)[:5]} ...")
+    if config.quantization is not None:  # a module swap on the loaded float weights
+        from tokenmill.quant import quantize_model
+
+        quantize_model(model, config.quantization)
     return model.eval()

@@ -1,0 +1,61 @@
+"""`TritonBackend`: the AttentionBackend of Triton kernels, for CUDA devices.
+
+Per layer and step: one kernel writes the step's k/v into the paged cache, then either
+- all rows decode (max_query_len == 1): split-K decode, then the split reduce; or
+- anything else (prompts, prompt chunks after cached prefixes, mixed prefill + decode): one
+  variable-length prefill launch for the whole batch.
+
+CUDA-graph safety of the decode path: it reads only device tensors and two host numbers,
+q.shape[0] and meta.max_seq_len (for the split count). A graph runner captures with
+max_seq_len = max_model_len, which fixes the split count per batch bucket; each request's split
+lengths then follow its live seq_len on the device, so a replay is right at any length."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.triton.decode import DecodeTiles, choose_num_splits, decode_attention
+from tokenmill.attention.triton.kv_write import write_kv
+from tokenmill.attention.triton.prefill import PrefillTiles, prefill_attention
+from tokenmill.attention.triton.util import num_sms
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(
+        self,
+        device: torch.device,
+        num_splits: int | None = None,
+        prefill_tiles: PrefillTiles | None = None,
+        decode_tiles: DecodeTiles | None = None,
+    ) -> None:
+        """num_splits / tiles: fixed choices instead of the heuristics (tests, tuning)."""
+        self.device = device
+        self.num_splits = num_splits
+        self.prefill_tiles = prefill_tiles
+        self.decode_tiles = decode_tiles
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, Hq, D]
+        k: torch.Tensor,  # [num_tokens, Hkv, D]
+        v: torch.Tensor,  # [num_tokens, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)  # [num_tokens, Hq, D]
+        if meta.is_all_decode:
+            num_seqs = q.shape[0]
+            num_splits = self.num_splits or choose_num_splits(
+                num_seqs, kv_cache.shape[3], meta.max_seq_len, num_sms(q.device)
+            )
+            decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, out, scale, num_splits,
+                             self.decode_tiles)
+        else:
+            prefill_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
+                              meta.max_query_len, self.prefill_tiles)
+        return out

@@ -1,0 +1,70 @@
+"""tokenmill itself behind the peer protocol, run with the project's own Python, so that it is measured in
+a fresh process exactly as the peers are. Options: any `EngineArgs` field (max_num_seqs, ...)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the package path for type checkers; at run time the driver's folder is on sys.path
+    from tokenmill.bench.peers.drivers.peer_protocol import (
+        WARMUP_PROMPT,
+        PeerPrompt,
+        PeerRequest,
+        PeerResult,
+        count_run,
+        serve,
+        stopwatch,
+    )
+else:
+    from peer_protocol import WARMUP_PROMPT, PeerPrompt, PeerRequest, PeerResult, count_run, serve, stopwatch
+
+
+def drive(request: PeerRequest) -> PeerResult:
+    import torch
+
+    import tokenmill
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.config import EngineArgs
+
+    torch.set_num_threads(request.threads)
+    kwargs = {k: v for k, v in request.options.items() if k in EngineArgs.__dataclass_fields__}
+    if request.dtype == "int8":
+        if "quantization" not in EngineArgs.__dataclass_fields__:
+            raise RuntimeError("this tokenmill has no int8 quantization yet")
+        kwargs["quantization"] = "int8"
+    else:
+        kwargs["dtype"] = request.dtype
+    kwargs.setdefault("seed", request.seed)
+
+    def params(p: PeerPrompt) -> SamplingParams:
+        return SamplingParams(max_tokens=p.output_len, temperature=p.temperature, ignore_eos=True)
+
+    def generate(prompts: list[PeerPrompt]) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p.prompt_token_ids} for p in prompts],
+                            [params(p) for p in prompts], use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    with stopwatch() as startup:
+        llm = LLM(request.model, **kwargs)
+    with stopwatch() as warmup:
+        generate([WARMUP_PROMPT])
+    runs = []
+    for prompts in request.runs:
+        with stopwatch() as sw:
+            outputs = generate(prompts)
+        runs.append(count_run(prompts, outputs, sw.elapsed))
+    config = llm.config
+    return PeerResult(
+        engine=request.engine, version=tokenmill.__version__, startup_s=startup.elapsed, warmup_s=warmup.elapsed,
+        runs=runs,
+        settings={"dtype": config.model.dtype, "max_num_seqs": config.scheduler.max_num_seqs,
+                  "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+                  "block_size": config.cache.block_size, "attention_backend": llm.engine.runner.backend.name,
+                  "torch_threads": torch.get_num_threads(), "pid": os.getpid()},
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(serve(drive))

@@ -1,0 +1,66 @@
+"""llama.cpp through llama-cpp-python, built from source (about 8 minutes on 2 cores; `-march=native`, so it
+uses whatever SIMD this CPU has). The source distribution is kept, because it ships llama.cpp's own
+`convert_hf_to_gguf.py`, which turns the same HF folder into the GGUF the driver loads (f32, bf16 or q8_0);
+the converter's needs (torch, transformers, sentencepiece) go into the same virtualenv."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from tokenmill.bench.peers.base import TORCH_REQUIREMENT, PeerSpec, SetupStep, converted_weights, venv_python
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0"}
+_SDIST = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+
+
+def source_dir(root: Path) -> Path:
+    return root / "src" / _SDIST
+
+
+def _steps(root: Path) -> list[SetupStep]:
+    sdist = root / "sdist" / f"{_SDIST}.tar.gz"
+    exists = "import pathlib, sys; sys.exit(0 if pathlib.Path({!r}).exists() else 1)"
+    return [
+        SetupStep("download the llama-cpp-python source",
+                  ["{python}", "-m", "pip", "download", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
+                   "--no-deps", "--no-binary", ":all:", "-d", str(root / "sdist")],
+                  check=exists.format(str(sdist))),
+        SetupStep("unpack it (keeps llama.cpp's GGUF converter)",
+                  ["{python}", "-c", f"import tarfile; tarfile.open({str(sdist)!r}).extractall({str(root / 'src')!r})"],
+                  check=exists.format(str(source_dir(root) / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"))),
+        SetupStep("build and install llama-cpp-python (several minutes)",
+                  ["{python}", "-m", "pip", "install", "-v", str(source_dir(root))],
+                  check="import llama_cpp",
+                  env={"CMAKE_ARGS": "-DLLAVA_BUILD=OFF", "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}),
+        SetupStep("install the GGUF converter's needs",
+                  ["{python}", "-m", "pip", "install", TORCH_REQUIREMENT, "numpy", "sentencepiece", "transformers",
+                   "protobuf", "safetensors"],
+                  check="import torch, numpy, sentencepiece, transformers, safetensors"),
+    ]
+
+
+def _prepare(root: Path, model: Path, dtype: str) -> Path:
+    outtype = GGUF_TYPES[dtype]
+    converter = source_dir(root) / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"
+
+    def convert(tmp: Path) -> None:
+        command = [str(venv_python(root)), str(converter), "--outtype", outtype, "--outfile", str(tmp), str(model)]
+        proc = subprocess.run(command, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"GGUF conversion failed: {' '.join(command)}\n{proc.stderr[-3000:]}")
+
+    return converted_weights(root, model, f"model-{outtype}.gguf", convert)
+
+
+def _env(threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(threads)}
+
+
+SPEC = PeerSpec(
+    name="llamacpp", description=f"llama.cpp via llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (batched llama_decode)",
+    driver="llamacpp_driver.py", version_module="llama_cpp", dtypes=tuple(GGUF_TYPES), setup_steps=_steps,
+    prepare_weights=_prepare, driver_env=_env,
+)

@@ -1,0 +1,200 @@
+"""This machine's decode roofline for a model (BENCHMARKING.md, "The limit"), measured in the same run as the
+throughput it judges.
+
+Each decode step reads every weight once (the matmul weights, the LM head included) plus the KV cache of
+every running sequence, and spends 2 FLOPs per weight per token. With `batch` sequences decoding together:
+
+    memory-bound   batch x bandwidth / (weight bytes + batch x context x KV bytes per token)   tok/s
+    compute-bound  GEMM rate / (2 x matmul parameters)                                        tok/s
+    ceiling        min(memory-bound, compute-bound)
+
+Bandwidth is measured by reading a >= 1 GiB tensor; the GEMM rate by timing the model's own linear shapes
+(M = batch rows) in the dtype used. Prefill tokens cost the same 2 FLOPs per parameter, so total tok/s
+(prompt + output) against the peak rate (the same shapes at M = 512, a prefill chunk) says how much of the
+machine's arithmetic a run used.
+
+    shape = ModelShape.from_hf_config(json.load(open("config.json")))
+    rates = measure_rates(shape, "float32", batch=64, threads=2)
+    roof = decode_roofline(shape, rates, batch=64, avg_context=360)
+    print(roof.ceiling_tok_s, 500 / roof.ceiling_tok_s)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+PEAK_ROWS = 512
+BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
+        heads = int(config["num_attention_heads"])
+        return cls(
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+            vocab_size=int(config["vocab_size"]),
+        )
+
+    def linear_shapes(self) -> list[tuple[int, int, int]]:
+        """(out_features, in_features, how many) of every matmul of one forward pass, the LM head included."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        n = self.num_layers
+        return [
+            (q + 2 * kv, h, n),  # fused q/k/v projection
+            (h, q, n),  # attention output
+            (2 * self.intermediate_size, h, n),  # fused gate/up
+            (h, self.intermediate_size, n),  # down
+            (self.vocab_size, h, 1),  # LM head
+        ]
+
+    @property
+    def matmul_params(self) -> int:
+        return sum(out * inp * count for out, inp, count in self.linear_shapes())
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * BYTES_PER_ELEMENT[dtype]
+
+
+@dataclass(frozen=True)
+class MachineRates:
+    bandwidth_bytes_s: float  # reading a >= 1 GiB tensor
+    gemm_flops: float  # the model's linear shapes at M = gemm_rows (the decode batch), in gemm_dtype
+    gemm_dtype: str
+    gemm_rows: int
+    threads: int
+    peak_gemm_flops: float = 0.0  # the same shapes at M = PEAK_ROWS (a prefill chunk): the best this CPU does
+
+
+@dataclass(frozen=True)
+class Roofline:
+    batch: int
+    avg_context: float
+    weight_bytes: int
+    kv_bytes_per_step: float
+    memory_bound_tok_s: float
+    compute_bound_tok_s: float  # at the decode batch's GEMM rate
+    peak_compute_tok_s: float = 0.0  # at the peak GEMM rate: no engine processes (prompt + output) tokens faster
+
+    @property
+    def ceiling_tok_s(self) -> float:
+        return min(self.memory_bound_tok_s, self.compute_bound_tok_s)
+
+    @property
+    def bound(self) -> str:
+        return "memory" if self.memory_bound_tok_s < self.compute_bound_tok_s else "compute"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ceiling_tok_s": self.ceiling_tok_s, "bound": self.bound}
+
+
+def decode_roofline(shape: ModelShape, rates: MachineRates, batch: int, avg_context: float,
+                    weight_dtype: str, kv_dtype: str) -> Roofline:
+    """The decode ceiling (tok/s) of `batch` sequences whose KV caches hold `avg_context` tokens on average."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}.")
+    weight_bytes = shape.matmul_params * BYTES_PER_ELEMENT[weight_dtype]
+    kv_bytes = batch * avg_context * shape.kv_bytes_per_token(kv_dtype)
+    return Roofline(
+        batch=batch,
+        avg_context=avg_context,
+        weight_bytes=weight_bytes,
+        kv_bytes_per_step=kv_bytes,
+        memory_bound_tok_s=batch * rates.bandwidth_bytes_s / (weight_bytes + kv_bytes),
+        compute_bound_tok_s=rates.gemm_flops / (2 * shape.matmul_params),
+        peak_compute_tok_s=max(rates.peak_gemm_flops, rates.gemm_flops) / (2 * shape.matmul_params),
+    )
+
+
+def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s reading a float32 tensor of `num_bytes` (best of `repeats` full passes)."""
+    import torch
+
+    if num_bytes < 1 << 30:
+        raise ValueError("read at least 1 GiB, or caches inflate the bandwidth.")
+    data = torch.ones(num_bytes // 4, dtype=torch.float32)  # [num_bytes / 4]
+    data.sum()  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    del data
+    return num_bytes / best
+
+
+def measure_gemm(shape: ModelShape, dtype: str, rows: int, min_seconds: float = 0.2, blocks: int = 5) -> float:
+    """FLOP/s of the model's linear layers at `rows` tokens: sum of FLOPs over sum of time, each shape
+    weighted by how often a forward pass runs it, each timed as the best of `blocks` timing blocks (a
+    ceiling should not include other processes' interruptions). int8 is timed in float32."""
+    import torch
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                   "int8": torch.float32}[dtype]
+    flops = seconds = 0.0
+    with torch.inference_mode():
+        for out_features, in_features, count in shape.linear_shapes():
+            x = torch.randn(rows, in_features, dtype=torch_dtype)  # [rows, in_features]
+            w = torch.randn(out_features, in_features, dtype=torch_dtype)  # [out_features, in_features]
+            torch.nn.functional.linear(x, w)  # warm-up
+            best = float("inf")
+            for _ in range(blocks):
+                iters, start = 0, time.perf_counter()
+                while (elapsed := time.perf_counter() - start) < min_seconds / blocks or iters < 2:
+                    torch.nn.functional.linear(x, w)
+                    iters += 1
+                best = min(best, elapsed / iters)
+            flops += 2 * rows * in_features * out_features * count
+            seconds += best * count
+    return flops / seconds
+
+
+def measure_rates(shape: ModelShape, dtype: str, batch: int, threads: int) -> MachineRates:
+    """Bandwidth and GEMM rates, measured now with `threads` threads. For 16-bit weights the GEMM rate is the
+    better of computing in that dtype and in float32 (upconverting the weights): a CPU without native bf16
+    arithmetic (AVX2 only) is fastest through float32 FMAs, and an engine such as llama.cpp does exactly that,
+    so torch's bf16 kernels alone would understate the ceiling."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        bandwidth = measure_bandwidth()
+        candidates = [dtype, "float32"] if dtype in ("bfloat16", "float16") else [dtype]
+        best = max(candidates, key=lambda d: measure_gemm(shape, d, batch, min_seconds=0.1))
+        label = dtype if best == dtype else f"{dtype} as float32"
+        return MachineRates(bandwidth, measure_gemm(shape, best, batch), label, batch, threads,
+                            peak_gemm_flops=measure_gemm(shape, best, PEAK_ROWS))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def fraction_of(throughput_tok_s: float, ceiling_tok_s: float) -> float:
+    return throughput_tok_s / ceiling_tok_s if ceiling_tok_s > 0 else 0.0
+
+
+def format_roofline(rates: MachineRates, roof: Roofline) -> str:
+    return (
+        f"roofline: bandwidth {rates.bandwidth_bytes_s / 1e9:.1f} GB/s, GEMM {rates.gemm_flops / 1e9:.1f} GFLOP/s "
+        f"({rates.gemm_dtype}, M={rates.gemm_rows}, {rates.threads} threads); batch {roof.batch}, "
+        f"context {roof.avg_context:.0f}: memory-bound {roof.memory_bound_tok_s:.0f} tok/s, compute-bound "
+        f"{roof.compute_bound_tok_s:.0f} tok/s -> decode ceiling {roof.ceiling_tok_s:.0f} tok/s ({roof.bound}); "
+        f"peak GEMM {rates.peak_gemm_flops / 1e9:.1f} GFLOP/s (M={PEAK_ROWS}) -> at most "
+        f"{roof.peak_compute_tok_s:.0f} (prompt + output) tok/s"
+    )

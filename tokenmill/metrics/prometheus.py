@@ -1,0 +1,142 @@
+"""Prometheus metrics under vLLM's names, prefixed `tokenmill:`, so dashboards built for one read the other.
+
+`ServerMetrics` is the async engine's `StatsListener`: it hears every step snapshot, every batch of
+new tokens and every finished request (all on the event loop), and keeps its own registry so that
+several servers can live in one process (tests)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tokenmill.engine.async_engine import EngineSnapshot, RequestStream
+from tokenmill.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tokenmill:{name}", doc, labels, registry=self.registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"tokenmill:{name}", doc, labels + list(extra), registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"tokenmill:{name}", doc, labels, buckets=buckets, registry=self.registry)
+
+        m = model_name
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.").labels(m)
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.").labels(m)
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use.").labels(m)
+        self.prompt_throughput = gauge("avg_prompt_throughput_toks_per_s",
+                                       "Prompt tokens per second over the last interval.").labels(m)
+        self.generation_throughput = gauge("avg_generation_throughput_toks_per_s",
+                                           "Generated tokens per second over the last interval.").labels(m)
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (to be recomputed).").labels(m)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.").labels(m)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(m)
+        self._request_success = counter("request_success", "Requests finished, by finish reason.",
+                                        ("finished_reason",))
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+                                            ).labels(m)
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.").labels(m)
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS).labels(m)
+        self.itl = histogram("inter_token_latency_seconds", "Gap between a request's consecutive tokens.",
+                             _LATENCY_BUCKETS).labels(m)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS).labels(m)
+        self.queue_time = histogram("request_queue_time_seconds", "Time in the waiting queue.",
+                                    _REQUEST_BUCKETS).labels(m)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.",
+                                      _REQUEST_BUCKETS).labels(m)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to finish.",
+                                     _REQUEST_BUCKETS).labels(m)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens scheduled per engine step.",
+                                          _TOKEN_BUCKETS).labels(m)
+        self.model_name = model_name
+        self._last = _Totals(time.monotonic(), 0, 0, 0)
+        self._prev_snapshot: EngineSnapshot | None = None
+        self._totals = _Totals(time.monotonic(), 0, 0, 0)
+
+    # ------------------------------------------------------------------ the StatsListener side
+    def on_step(self, snapshot: EngineSnapshot) -> None:
+        prev = self._prev_snapshot
+        self._prev_snapshot = snapshot
+        self.num_requests_running.set(snapshot.num_running)
+        self.num_requests_waiting.set(snapshot.num_waiting)
+        self.kv_cache_usage.set(snapshot.kv_cache_usage)
+        if snapshot.num_step_tokens:
+            self.iteration_tokens.observe(snapshot.num_step_tokens)
+        self._totals.steps += 1
+        if prev is not None:
+            self.num_preemptions.inc(max(0, snapshot.num_preemptions - prev.num_preemptions))
+            self.prefix_cache_queries.inc(max(0, snapshot.prefix_cache_queries - prev.prefix_cache_queries))
+            self.prefix_cache_hits.inc(max(0, snapshot.prefix_cache_hits - prev.prefix_cache_hits))
+        else:
+            self.num_preemptions.inc(snapshot.num_preemptions)
+            self.prefix_cache_queries.inc(snapshot.prefix_cache_queries)
+            self.prefix_cache_hits.inc(snapshot.prefix_cache_hits)
+
+    def on_tokens(self, stream: RequestStream, num_new_tokens: int, now: float) -> None:
+        if stream.first_token_time is None:
+            self.ttft.observe(now - stream.arrival_time)
+            self.prompt_tokens.inc(stream.num_prompt_tokens)
+            self._totals.prompt_tokens += stream.num_prompt_tokens
+        elif stream.last_token_time is not None:
+            self.itl.observe(now - stream.last_token_time)
+        self.generation_tokens.inc(num_new_tokens)
+        self._totals.generation_tokens += num_new_tokens
+
+    def on_finished(self, stream: RequestStream, output: RequestOutput) -> None:
+        reasons = [o.finish_reason or "abort" for o in output.outputs]
+        reason = "error" if output.error else ("abort" if "abort" in reasons else reasons[0])
+        self._request_success.labels(self.model_name, reason).inc()
+        self.e2e.observe(time.monotonic() - stream.arrival_time)
+        m = stream.metrics()
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            if m.first_token_time is not None:
+                self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+                if m.finished_time is not None:
+                    self.decode_time.observe(max(0.0, m.finished_time - m.first_token_time))
+
+    # ------------------------------------------------------------------ periodic and scrape
+    def log_throughput(self) -> None:
+        """Update the throughput gauges over the interval since the last call, and log them when busy."""
+        now, totals, last = time.monotonic(), self._totals, self._last
+        elapsed = max(now - last.time, 1e-9)
+        prompt_tps = (totals.prompt_tokens - last.prompt_tokens) / elapsed
+        gen_tps = (totals.generation_tokens - last.generation_tokens) / elapsed
+        self.prompt_throughput.set(prompt_tps)
+        self.generation_throughput.set(gen_tps)
+        if totals.steps != last.steps:
+            snap = self._prev_snapshot
+            logger.info(
+                "prompt throughput %.1f tok/s, generation throughput %.1f tok/s, running %d, waiting %d, "
+                "KV cache %.1f%%", prompt_tps, gen_tps, snap.num_running if snap else 0,
+                snap.num_waiting if snap else 0, 100 * (snap.kv_cache_usage if snap else 0.0),
+            )
+        self._last = _Totals(now, totals.prompt_tokens, totals.generation_tokens, totals.steps)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Totals:
+    def __init__(self, when: float, prompt_tokens: int, generation_tokens: int, steps: int) -> None:
+        self.time = when
+        self.prompt_tokens = prompt_tokens
+        self.generation_tokens = generation_tokens
+        self.steps = steps

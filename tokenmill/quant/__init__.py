@@ -1,0 +1,68 @@
+"""Quantized linear methods, registered by name, applied as a module swap after the weights are loaded.
+
+    LLM(quantization="int8")            # or: tokenmill generate --quantization int8
+
+`quantize_model` replaces every linear layer (fused qkv, o, gate/up, down) and the LM head with the
+method's module, built from the loaded float weights; with tied embeddings the embedding lookup stays
+in full precision and the head gets its own quantized copy. The weight loaders never see quantized
+tensors, so checkpoints stay plain bf16/fp32."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tokenmill.quant.int8 import Int8Linear
+
+# name -> factory(weight [out, in], bias [out] | None) -> a module computing x @ weight.T + bias
+QuantLinearFactory = Callable[[torch.Tensor, "torch.Tensor | None"], nn.Module]
+_METHODS: dict[str, QuantLinearFactory] = {}
+
+
+def register_quant_method(name: str, factory: QuantLinearFactory) -> None:
+    _METHODS[name] = factory
+
+
+def quant_methods() -> list[str]:
+    return sorted(_METHODS)
+
+
+def check_quantization(name: str | None) -> None:
+    """Raise ValueError (listing the options) unless `name` is None or a registered method."""
+    if name is not None and name not in _METHODS:
+        raise ValueError(f"unknown quantization {name!r}; use one of {quant_methods()} (or none).")
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, name: str) -> nn.Module:
+    """Swap the model's linear layers and LM head for quantized ones, in place; returns the model."""
+    check_quantization(name)
+    factory = _METHODS[name]
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for path, linear in targets:
+        parent_path, _, child = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        quantized = factory(linear.weight, linear.bias)
+        _keep_layout_attributes(linear, quantized)
+        setattr(parent, child, quantized)
+    if getattr(model, "lm_head", False) is None:  # tied: the head is the embedding's own copy
+        embedding = getattr(model, "embed_tokens", None)
+        if not isinstance(embedding, nn.Embedding):
+            raise ValueError(f"{type(model).__name__} ties its head to an embedding it does not name embed_tokens")
+        model.lm_head = factory(embedding.weight, None)
+    return model
+
+
+def _keep_layout_attributes(source: nn.Module, target: nn.Module) -> None:
+    """Copy the replaced layer's plain layout attributes (QKVLinear's q_size/kv_size, MergedLinear's
+    offsets, ...) so model code that reads them works unchanged on the quantized module."""
+    for key, value in vars(source).items():
+        if not key.startswith("_") and key not in vars(target) and isinstance(value, (int, float, list, tuple)):
+            setattr(target, key, value)
+
+
+register_quant_method("int8", Int8Linear.from_weight)
+
+__all__ = ["Int8Linear", "check_quantization", "quant_methods", "quantize_model", "register_quant_method"]

@@ -1,0 +1,155 @@
+// Weight-only int8 GEMM for CPUs: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k] + bias[n].
+//
+// Activations stay float32 (quality: no activation quantization); the int8 weights are widened
+// to float32 in registers as they stream in, so memory traffic for the weights is 1/4 of fp32.
+// Weights are packed once into panels of 16 output channels, k-major: [num_panels, K, 16] int8,
+// so one k step reads 16 contiguous bytes and feeds two 8-wide FMA vectors per activation row.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TM_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;  // output channels per panel
+constexpr int64_t kRows = 6;    // activation rows per register tile (12 accumulators)
+constexpr int64_t kRowBlock = 96;  // activation rows kept hot (L2) while all panels stream past
+
+#ifdef TM_AVX2
+inline __m256 widen8(const int8_t* w) {  // 8 int8 -> 8 float32
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+
+// One register tile: MR activation rows x 16 output channels, over all of K. With few rows the
+// K loop is split into U interleaved partial sums so enough FMAs are in flight.
+template <int MR, int U>
+inline void tile(const float* x, int64_t ldx, const int8_t* panel, int64_t K, __m256 (&out)[MR][2]) {
+  __m256 acc[U][MR][2];
+  for (int u = 0; u < U; ++u)
+    for (int i = 0; i < MR; ++i) acc[u][i][0] = acc[u][i][1] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + U <= K; k += U) {
+    for (int u = 0; u < U; ++u) {
+      const int8_t* w = panel + (k + u) * kPanel;
+      const __m256 w0 = widen8(w), w1 = widen8(w + 8);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k + u);
+        acc[u][i][0] = _mm256_fmadd_ps(xv, w0, acc[u][i][0]);
+        acc[u][i][1] = _mm256_fmadd_ps(xv, w1, acc[u][i][1]);
+      }
+    }
+  }
+  for (; k < K; ++k) {
+    const int8_t* w = panel + k * kPanel;
+    const __m256 w0 = widen8(w), w1 = widen8(w + 8);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);
+      acc[0][i][0] = _mm256_fmadd_ps(xv, w0, acc[0][i][0]);
+      acc[0][i][1] = _mm256_fmadd_ps(xv, w1, acc[0][i][1]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    out[i][0] = acc[0][i][0];
+    out[i][1] = acc[0][i][1];
+    for (int u = 1; u < U; ++u) {
+      out[i][0] = _mm256_add_ps(out[i][0], acc[u][i][0]);
+      out[i][1] = _mm256_add_ps(out[i][1], acc[u][i][1]);
+    }
+  }
+}
+
+template <int MR, int U>
+void rows(const float* x, int64_t ldx, const int8_t* panel, int64_t K, const float* scale, const float* bias,
+          float* y, int64_t ldy, int64_t num_cols) {
+  __m256 out[MR][2];
+  tile<MR, U>(x, ldx, panel, K, out);
+  const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
+  const __m256 b0 = _mm256_loadu_ps(bias), b1 = _mm256_loadu_ps(bias + 8);
+  for (int i = 0; i < MR; ++i) {
+    const __m256 r0 = _mm256_fmadd_ps(out[i][0], s0, b0), r1 = _mm256_fmadd_ps(out[i][1], s1, b1);
+    float* yi = y + i * ldy;
+    if (num_cols == kPanel) {
+      _mm256_storeu_ps(yi, r0);
+      _mm256_storeu_ps(yi + 8, r1);
+    } else {  // the last, partial panel
+      alignas(32) float buf[kPanel];
+      _mm256_store_ps(buf, r0);
+      _mm256_store_ps(buf + 8, r1);
+      std::memcpy(yi, buf, num_cols * sizeof(float));
+    }
+  }
+}
+#endif
+
+// Scalar fallback (no AVX2/FMA at build time): same packed layout, same results up to rounding.
+void rows_scalar(const float* x, int64_t ldx, int64_t mr, const int8_t* panel, int64_t K, const float* scale,
+                 const float* bias, float* y, int64_t ldy, int64_t num_cols) {
+  for (int64_t i = 0; i < mr; ++i) {
+    float acc[kPanel] = {0};
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < kPanel; ++j) acc[j] += x[i * ldx + k] * panel[k * kPanel + j];
+    for (int64_t j = 0; j < num_cols; ++j) y[i * ldy + j] = acc[j] * scale[j] + bias[j];
+  }
+}
+
+void panel_rows(const float* x, int64_t ldx, int64_t mr, const int8_t* panel, int64_t K, const float* scale,
+                const float* bias, float* y, int64_t ldy, int64_t num_cols) {
+#ifdef TM_AVX2
+  switch (mr) {
+    case 6: return rows<6, 1>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+    case 5: return rows<5, 1>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+    case 4: return rows<4, 1>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+    case 3: return rows<3, 2>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+    case 2: return rows<2, 2>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+    default: return rows<1, 4>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+  }
+#else
+  rows_scalar(x, ldx, mr, panel, K, scale, bias, y, ldy, num_cols);
+#endif
+}
+
+}  // namespace
+
+// x: [M, K] float32 contiguous; packed: [P, K, 16] int8; scale, bias: [P * 16] float32 -> [M, N] float32
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                       const at::Tensor& bias, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [M, K] float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(2) == kPanel &&
+              packed.is_contiguous(), "packed: contiguous [P, K, 16] int8");
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "x has ", K, " features, the weight ", packed.size(1));
+  TORCH_CHECK(P * kPanel >= N && scale.numel() == P * kPanel && bias.numel() == P * kPanel, "bad scale/bias");
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* bp = bias.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+    const int64_t m1 = std::min(M, m0 + kRowBlock);
+    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = p * kPanel, num_cols = std::min(kPanel, N - n0);
+        for (int64_t m = m0; m < m1; m += kRows) {
+          panel_rows(xp + m * K, K, std::min(kRows, m1 - m), wp + p * K * kPanel, K, sp + n0, bp + n0,
+                     yp + m * N + n0, N, num_cols);
+        }
+      }
+    });
+  }
+  return y;
+}
+
+TORCH_LIBRARY(tokenmill_quant, m) {
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor bias, int N) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_quant, CPU, m) { m.impl("int8_linear", &int8_linear); }

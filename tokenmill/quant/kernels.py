@@ -1,0 +1,32 @@
+"""The C++ int8 GEMM (csrc/int8_gemm.cpp), compiled on first use with torch's extension builder and
+cached (in TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default). It registers
+`torch.ops.tokenmill_quant.int8_linear`."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "int8_gemm.cpp"
+
+
+@functools.cache
+def available() -> bool:
+    """True once the kernel is built and loaded; False (with a warning) where no compiler is available."""
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.load(
+            name="tokenmill_int8_gemm",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native"],
+            is_python_module=False,  # registers a torch op; no pybind11, so it builds in seconds
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 (no compiler, no ninja: fall back, never fail the load)
+        logger.warning("could not build the C++ int8 GEMM (%s); int8 layers dequantize on the fly", exc)
+        return False
+    return True

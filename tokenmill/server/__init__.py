@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: `tokenmill serve`, or `build_app(ServerState.create(...))`."""

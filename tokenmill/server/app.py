@@ -1,0 +1,189 @@
+"""The FastAPI app: OpenAI routes, health and readiness, Prometheus metrics, and the ASGI middleware
+that bounds body sizes and checks API keys before any route runs.
+
+    state = ServerState.create(ServerConfig(), AsyncEngine(EngineArgs()))
+    app = build_app(state)  # serve with uvicorn; the engine thread starts with the app
+
+Both middlewares are plain ASGI (not BaseHTTPMiddleware) so streaming and disconnect detection
+pass straight through."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import tokenmill
+from tokenmill.server.chat import create_chat_completion
+from tokenmill.server.completions import create_completion
+from tokenmill.server.config import ServerState
+from tokenmill.server.errors import APIError, error_body, install_error_handlers
+from tokenmill.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from tokenmill.server.security import ANONYMOUS
+
+logger = logging.getLogger(__name__)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": desc} for code, desc in (
+        (400, "Invalid request"), (401, "Missing or wrong API key"), (404, "Unknown model"),
+        (413, "Body too large"), (429, "Rate limit or full queue (see Retry-After)"),
+        (500, "Engine failure"), (503, "Shutting down or engine dead"),
+    )
+}
+_SSE = {"content": {"text/event-stream": {}}, "description": "JSON, or with stream=true server-sent events"}
+_PUBLIC_PATHS = frozenset({"/health", "/ready"})
+THROUGHPUT_LOG_INTERVAL_S = 10.0
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.engine.start()
+        task = asyncio.ensure_future(_log_throughput(state))
+        try:
+            yield
+        finally:
+            task.cancel()
+            state.engine.abort_all()
+            await asyncio.to_thread(state.engine.shutdown)
+
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan,
+                  description="An OpenAI-compatible server for the tokenmill engine.")
+    app.state.server = state
+    install_error_handlers(app)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: _SSE})
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await create_completion(state, body, request, _key(request))
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, 200: _SSE})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return await create_chat_completion(state, body, request, _key(request))
+
+    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
+    async def models() -> ModelList:
+        root = state.engine.config.model.model
+        return ModelList(data=[ModelCard(id=state.model_name, root=root, max_model_len=state.engine.max_model_len)])
+
+    @app.get("/health", responses={503: _ERRORS[503]})
+    async def health() -> Response:
+        """Liveness: 503 once the engine loop has died or a step has stalled."""
+        if state.engine.is_dead:
+            return JSONResponse(error_body(503, f"the engine is dead: {state.engine.dead_reason}", "engine_dead"),
+                                status_code=503)
+        if state.engine.is_stalled():
+            return JSONResponse(error_body(503, "the engine step has stalled.", "engine_stalled"), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready", responses={503: _ERRORS[503]})
+    async def ready() -> Response:
+        """Readiness: the model is loaded and new requests are accepted."""
+        try:
+            state.check_accepting()
+        except APIError as exc:
+            return JSONResponse(exc.body(), status_code=503)
+        return JSONResponse({"status": "ready", "model": state.model_name})
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": tokenmill.__version__}
+
+    # The last added runs first: keys are checked before any body is read.
+    public = _PUBLIC_PATHS if state.config.metrics_require_key else _PUBLIC_PATHS | {"/metrics"}
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes)  # type: ignore[arg-type]
+    app.add_middleware(AuthMiddleware, state=state, public_paths=public)  # type: ignore[arg-type]
+    return app
+
+
+def _key(request: Request) -> str:
+    return str(request.scope.get("tokenmill_key", ANONYMOUS))
+
+
+async def _log_throughput(state: ServerState) -> None:
+    while True:
+        await asyncio.sleep(THROUGHPUT_LOG_INTERVAL_S)
+        state.metrics.log_throughput()
+
+
+async def _send_error(send: Send, status: int, message: str, code: str, headers: dict[str, str] | None = None
+                      ) -> None:
+    body = json.dumps(error_body(status, message, code)).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+class AuthMiddleware:
+    """Every route but the public ones needs a valid key; the key's name goes into the scope."""
+
+    def __init__(self, app: ASGIApp, state: ServerState, public_paths: frozenset[str]) -> None:
+        self.app, self.state, self.public = app, state, public_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.public:
+            return await self.app(scope, receive, send)
+        auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        try:
+            scope["tokenmill_key"] = self.state.keys.identify(auth)
+        except APIError as exc:
+            return await _send_error(send, exc.status, exc.message, exc.code or "", exc.headers)
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Reads the request body (up to `max_bytes`, else 413) before the app sees it, then replays it;
+    later `receive()` calls go to the server, so disconnects are still seen."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        too_large = f"the request body is larger than this server's limit of {self.max_bytes} bytes."
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await _send_error(send, 413 if length.isdigit() else 400,
+                                     too_large if length.isdigit() else "bad Content-Length.", "request_too_large")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await _send_error(send, 413, too_large, "request_too_large")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)

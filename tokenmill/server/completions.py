@@ -1,0 +1,141 @@
+"""POST /v1/completions: text or token-id prompts (or a batch of them), streamed or not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from tokenmill.outputs import CompletionOutput, TokenLogprobs
+from tokenmill.server import serving
+from tokenmill.server.config import ServerState
+from tokenmill.server.errors import APIError
+from tokenmill.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    new_id,
+    now,
+)
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+def _prompts(body: CompletionRequest) -> list[str | list[int]]:
+    p = body.prompt
+    if isinstance(p, str):
+        return [p]
+    if p and isinstance(p[0], int):
+        return [p]  # type: ignore[list-item]
+    return list(p)  # type: ignore[arg-type]
+
+
+async def create_completion(state: ServerState, body: CompletionRequest, request: Request, key: str) -> Any:
+    arrival = serving.monotonic()
+    state.check_model(body.model)
+    state.check_accepting()
+    if body.suffix:
+        raise APIError(400, "suffix is not supported.", "unsupported_parameter", "suffix")
+    prompts = _prompts(body)
+    serving.check_n(state, body.n, len(prompts))
+    request_id = new_id("cmpl")
+    prepared = []
+    for i, prompt in enumerate(prompts):
+        try:
+            text, ids = state.engine.inputs.tokenize(prompt)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_prompt", "prompt") from exc
+        max_tokens = serving.resolve_max_tokens(state, body.max_tokens, len(ids), DEFAULT_MAX_TOKENS)
+        prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
+        try:
+            params = serving.sampling_params(body, max_tokens, body.logprobs, prompt_lps)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_request") from exc
+        prepared.append(serving.prepare(state, f"{request_id}-{i}", text, ids, params, body.priority))
+    job = serving.admit(state, key, prepared, arrival)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return serving.JobStreamingResponse(state, job, _stream(state, body, job, request_id, include_usage))
+    await serving.finish(state, job, request)
+    choices = []
+    for i, prepared_req in enumerate(prepared):
+        for out in job.outputs[i].outputs:
+            choices.append(_choice(state, body, i * body.n + out.index, prepared_req.prompt_token_ids,
+                                   job.outputs[i].prompt_logprobs, out, prepared_req.prompt))
+    response = CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=job.usage())
+    return JSONResponse(response.model_dump(), headers=job.admission.headers)
+
+
+def _echo_text(state: ServerState, prompt_text: str | None, prompt_ids: list[int]) -> str:
+    if prompt_text is not None:
+        return prompt_text
+    tokenizer = state.engine.tokenizer
+    return tokenizer.decode(prompt_ids) if tokenizer is not None else ""
+
+
+def _choice(state: ServerState, body: CompletionRequest, index: int, prompt_ids: list[int],
+            prompt_lps: list[TokenLogprobs | None] | None, out: CompletionOutput, prompt_text: str | None
+            ) -> CompletionChoice:
+    text = (_echo_text(state, prompt_text, prompt_ids) if body.echo else "") + out.text
+    logprobs = None
+    if body.logprobs is not None:
+        ids = (prompt_ids if body.echo else []) + out.token_ids
+        entries: list[TokenLogprobs | None] = ((prompt_lps or [None] * len(prompt_ids)) if body.echo else [])
+        logprobs = _logprobs(state, ids, entries + list(out.logprobs or []), 0)
+    return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
+                            stop_reason=out.stop_reason)
+
+
+def _logprobs(state: ServerState, token_ids: list[int], entries: list[TokenLogprobs | None], offset: int
+              ) -> CompletionLogprobs:
+    tok = state.engine.tokenizer
+    result = CompletionLogprobs()
+    for token_id, entry in zip(token_ids, entries):
+        text = serving.decoded(tok, token_id, entry)
+        result.tokens.append(text)
+        sampled = (entry or {}).get(token_id)
+        result.token_logprobs.append(serving.finite(sampled.logprob) if sampled else None)
+        result.top_logprobs.append(
+            {serving.decoded(tok, t, entry): serving.finite(lp.logprob) for t, lp in entry.items()} if entry else None
+        )
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result
+
+
+async def _stream(state: ServerState, body: CompletionRequest, job: serving.Job, request_id: str,
+                  include_usage: bool) -> AsyncIterator[str]:
+    created, n = now(), body.n
+    sent_tokens: dict[int, int] = {}  # choice index -> tokens already sent
+    offsets: dict[int, int] = {}
+    async for i, output in serving.run_job(state, job):
+        prepared = job.prepared[i]
+        for out in output.outputs:
+            index = i * n + out.index
+            first = index not in sent_tokens
+            start = sent_tokens.get(index, 0)
+            if not first and len(out.token_ids) == start and not out.delta_text and not out.finished:
+                continue
+            text = out.delta_text
+            logprobs = None
+            if first and body.echo:
+                text = _echo_text(state, prepared.prompt, prepared.prompt_token_ids) + text
+            if body.logprobs is not None:
+                ids = out.token_ids[start:]
+                entries: list[TokenLogprobs | None] = list((out.logprobs or [])[start:])
+                if first and body.echo:
+                    lps = output.prompt_logprobs or [None] * len(prepared.prompt_token_ids)
+                    ids, entries = prepared.prompt_token_ids + ids, list(lps) + entries
+                logprobs = _logprobs(state, ids, entries, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
+            sent_tokens[index] = len(out.token_ids)
+            choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
+                                      stop_reason=out.stop_reason)
+            yield serving.sse({"id": request_id, "object": "text_completion", "created": created,
+                               "model": state.model_name, "choices": [choice.model_dump()]})
+    if include_usage:
+        yield serving.sse({"id": request_id, "object": "text_completion", "created": created,
+                           "model": state.model_name, "choices": [], "usage": job.usage().model_dump()})

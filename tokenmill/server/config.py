@@ -1,0 +1,81 @@
+"""The server's own settings (the engine's are `EngineArgs`), and the state its routes share."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.metrics.prometheus import ServerMetrics
+from tokenmill.server.errors import APIError
+from tokenmill.server.security import ApiKeys, RateLimiter
+
+API_KEY_ENV = "TOKENMILL_API_KEY"  # one key, or several separated by commas
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # default: the model folder's name
+    api_keys: tuple[str, ...] = ()  # with API_KEY_ENV's keys added by `keys()`
+    requests_per_min: int | None = None  # per key; None: no limit
+    tokens_per_min: int | None = None  # per key: prompt + max_tokens, unused output refunded
+    max_waiting_requests: int = 256  # beyond this the server answers 429 at once
+    max_waiting_tokens: int = 1 << 20
+    max_n: int = 16
+    max_tokens: int | None = None  # cap on max_tokens; None: max_model_len
+    max_prompt_tokens: int | None = None  # None: max_model_len - 1
+    max_prompts_per_request: int = 64  # completions with a list of prompts
+    max_body_bytes: int = 4 << 20
+    shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+    engine_stall_timeout_s: float = 300.0  # a step running longer than this fails /health
+    metrics_require_key: bool = False  # /metrics is open by default, for scrapers
+
+    def keys(self) -> list[str]:
+        env = os.environ.get(API_KEY_ENV, "")
+        return list(self.api_keys) + [k for k in env.split(",") if k.strip()]
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    engine: AsyncEngine
+    model_name: str
+    metrics: ServerMetrics
+    keys: ApiKeys
+    limiter: RateLimiter
+    draining: bool = False
+
+    @classmethod
+    def create(cls, config: ServerConfig, engine: AsyncEngine) -> ServerState:
+        name = config.served_model_name or default_model_name(engine)
+        metrics = ServerMetrics(name)
+        engine.stats = metrics
+        return cls(config, engine, name, metrics, ApiKeys(config.keys()),
+                   RateLimiter(config.requests_per_min, config.tokens_per_min))
+
+    @property
+    def max_tokens(self) -> int:
+        return min(self.config.max_tokens or self.engine.max_model_len, self.engine.max_model_len)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return min(self.config.max_prompt_tokens or self.engine.max_model_len, self.engine.max_model_len - 1)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}.",
+                           "model_not_found", "model")
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another replica.", "shutting_down")
+        if self.engine.is_dead:
+            raise APIError(503, "the engine has stopped; the server must be restarted.", "engine_dead")
+
+
+def default_model_name(engine: AsyncEngine) -> str:
+    from pathlib import Path
+
+    return Path(engine.config.model.model).name or engine.config.model.model

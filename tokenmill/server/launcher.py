@@ -1,0 +1,111 @@
+"""Run the server under uvicorn with a graceful SIGTERM:
+
+1. stop accepting: new requests get 503, /ready turns 503 (the socket stays open so they hear it);
+2. let in-flight requests finish for up to `shutdown_timeout_s`;
+3. abort the rest (their responses end with finish_reason "abort"), then exit with status 0.
+
+A second SIGTERM or Ctrl-C exits at once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from types import FrameType
+
+import uvicorn
+
+from tokenmill.config import EngineArgs
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.server.app import build_app
+from tokenmill.server.config import ServerConfig, ServerState
+
+logger = logging.getLogger(__name__)
+
+# After the drain, uvicorn's own wait for open responses to flush.
+_FLUSH_TIMEOUT_S = 5
+
+
+class GracefulServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+        self.on_started: list[object] = []
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        if self.started:
+            for callback in self.on_started:
+                callback(self)  # type: ignore[operator]
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.state.draining or self._loop is None or sig not in (signal.SIGTERM, signal.SIGINT):
+            self.force_exit = self.state.draining
+            super().handle_exit(sig, frame)
+            return
+        self.state.draining = True  # from now on new requests get 503
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        engine, timeout = self.state.engine, self.state.config.shutdown_timeout_s
+        logger.warning("shutting down: %d requests in flight get up to %.0f s to finish; new requests get 503 "
+                       "(signal again to stop now)", engine.num_in_flight, timeout)
+        if not await engine.wait_idle(timeout):
+            logger.warning("aborting %d requests still in flight", engine.num_in_flight)
+            engine.abort_all()
+        await asyncio.sleep(0.1)  # let the handlers write their last bytes
+        self.should_exit = True
+
+    def bound_port(self) -> int:
+        for server in getattr(self, "servers", []):
+            for sock in server.sockets:
+                return int(sock.getsockname()[1])
+        return self.config.port
+
+
+def make_server(state: ServerState, log_level: str = "info") -> GracefulServer:
+    app = build_app(state)
+    config = uvicorn.Config(app, host=state.config.host, port=state.config.port, log_level=log_level,
+                            timeout_graceful_shutdown=_FLUSH_TIMEOUT_S, access_log=log_level == "debug")
+    return GracefulServer(config, state)
+
+
+def print_usage(server: GracefulServer) -> None:
+    state, host = server.state, server.config.host
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{server.bound_port()}"
+    key = "$TOKENMILL_API_KEY" if state.keys.enabled else "unused"
+    auth = " -H \"Authorization: Bearer $TOKENMILL_API_KEY\"" if state.keys.enabled else ""
+    print(f"""
+tokenmill is serving {state.model_name!r} at {url}/v1 (OpenAI-compatible; Ctrl-C to stop)
+
+  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
+    -d '{{"model": "{state.model_name}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+  python -c 'from openai import OpenAI; c = OpenAI(base_url="{url}/v1", api_key="{key}"); \\
+print(c.chat.completions.create(model="{state.model_name}", \\
+messages=[{{"role": "user", "content": "Hello!"}}]).choices[0].message.content)'
+
+  health {url}/health · metrics {url}/metrics · API docs {url}/docs
+""", flush=True)
+
+
+def serve(engine_args: EngineArgs, config: ServerConfig, log_level: str = "info") -> None:
+    """Load the model, then serve until SIGTERM / Ctrl-C."""
+    engine = AsyncEngine(engine_args, config.engine_stall_timeout_s)
+    state = ServerState.create(config, engine)
+    if config.host not in ("127.0.0.1", "localhost", "::1") and not state.keys.enabled:
+        logger.warning("listening on %s without an API key: anyone who can reach it can use it "
+                       "(set --api-key or TOKENMILL_API_KEY)", config.host)
+    server = make_server(state, log_level)
+    server.on_started.append(print_usage)
+    server.run()
+    if server.state.engine.failed:
+        sys.exit(1)

@@ -1,0 +1,255 @@
+"""The OpenAI API's request and response bodies as pydantic models (the /openapi.json schema comes from here).
+
+Requests are validated strictly (a string is not an integer) and the schema states every bound the
+server checks on its own, so a body the schema allows is one the server can run. Unknown fields are
+ignored, as OpenAI's own API does. Extensions beyond OpenAI's fields follow vLLM: `top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `priority`, `stop_token_ids`,
+`skip_special_tokens`, `include_stop_str_in_output`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from tokenmill.sampling_params import MAX_N
+
+MAX_LOGPROBS = 20
+
+
+
+def _integral(value: object) -> object:
+    """JSON Schema counts 1.0 as an integer (and JavaScript clients send it): take it as 1."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+_I32 = 2**31 - 1
+_integral_v = BeforeValidator(_integral)
+# Strict integers (no strings, no booleans) that also accept integral floats. The bounds come before
+# the validator so that the schema states them as minimum / maximum.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1), _integral_v]  # OpenAI's seeds are 64-bit
+TokenId = Annotated[int, Field(ge=0, le=_I32), _integral_v]
+PositiveInt = Annotated[int, Field(ge=1, le=_I32), _integral_v]
+NonNegativeInt = Annotated[int, Field(ge=0, le=_I32), _integral_v]
+NumSamples = Annotated[int, Field(ge=1, le=MAX_N), _integral_v]
+TopK = Annotated[int, Field(ge=-1, le=_I32), _integral_v]
+Priority = Annotated[int, Field(ge=-_I32 - 1, le=_I32), _integral_v]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _integral_v]
+StopString = Annotated[str, Field(min_length=1, max_length=1024)]
+MAX_STOP_STRINGS = 16
+
+
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+Bias = Annotated[float, Field(ge=-100, le=100)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields the completions and chat endpoints share."""
+
+    model: str | None = Field(default=None, description="The served model's id (see /v1/models).")
+    n: NumSamples = Field(default=1, description="Completions per prompt.")
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: TopK | None = Field(default=None, description="0 or -1: no top-k.")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: Int64 | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    logit_bias: dict[TokenIdKey, Bias] | None = (
+        Field(default=None, description="Token id (as a string) to a bias in [-100, 100].")
+    )
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extensions
+    min_tokens: NonNegativeInt = 0
+    ignore_eos: bool = False
+    priority: Priority = Field(default=0, description="Lower runs first (with --scheduling-policy priority).")
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    ) = Field(description="Text, token ids, or a batch of either.")
+    max_tokens: PositiveInt | None = Field(default=None, description="Default 16.")
+    echo: bool = False
+    logprobs: NumLogprobs | None = None
+    suffix: str | None = Field(default=None, description="Not supported: must be absent or empty.")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: PositiveInt | None = Field(default=None, description="Deprecated alias of max_completion_tokens.")
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: NumLogprobs | None = None
+    add_generation_prompt: bool = True
+
+
+# ---------------------------------------------------------------------- responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class UsageInfo(_Out):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(_Out):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Out):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Out):
+    content: list[TokenLogprobEntry] | None = None
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Out):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(_Out):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Out):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Out):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "tokenmill"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Out):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(_Out):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Out):
+    error: ErrorInfo
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    return model.model_dump(exclude_none=False)

@@ -1,0 +1,282 @@
+"""What the completions and chat endpoints share: request → validated engine requests, admission
+(queue bound, rate limits), running them (merged streams, client disconnects), and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.engine.input_processor import PreparedRequest
+from tokenmill.outputs import RequestOutput, TokenLogprobs
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.config import ServerState
+from tokenmill.server.errors import ENGINE_FAILED_MESSAGE, INTERNAL_ERROR_MESSAGE, APIError, sse_error
+from tokenmill.server.protocol import UsageInfo, _SamplingFields
+from tokenmill.server.security import Admission
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None) -> SamplingParams:
+    """The engine's SamplingParams for one prompt of the request (ValueError -> 400)."""
+    return SamplingParams(
+        n=body.n,
+        max_tokens=max_tokens,
+        min_tokens=min(body.min_tokens, max_tokens),
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None else body.top_k,
+        min_p=0.0 if body.min_p is None else body.min_p,
+        seed=body.seed,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias={int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+    )
+
+
+def resolve_max_tokens(state: ServerState, requested: int | None, num_prompt_tokens: int,
+                       default: int | None = None) -> int:
+    """The request's max_tokens, checked against the server's cap; when it gives none, `default`
+    (or as many as fit), within the cap and the context."""
+    if num_prompt_tokens > state.max_prompt_tokens:
+        raise APIError(400, f"the prompt has {num_prompt_tokens} tokens; this server accepts at most "
+                       f"{state.max_prompt_tokens}.", "prompt_too_long", "prompt")
+    room = state.engine.max_model_len - num_prompt_tokens
+    if requested is None:
+        return max(1, min(state.max_tokens, room, default or room))
+    if requested > state.max_tokens:
+        raise APIError(400, f"max_tokens is {requested}; this server allows at most {state.max_tokens}.",
+                       "max_tokens_too_large", "max_tokens")
+    return requested
+
+
+def check_n(state: ServerState, n: int, num_prompts: int = 1) -> None:
+    if n > state.config.max_n:
+        raise APIError(400, f"n is {n}; this server allows at most {state.config.max_n}.", "n_too_large", "n")
+    if num_prompts > state.config.max_prompts_per_request:
+        raise APIError(400, f"{num_prompts} prompts in one request; this server allows at most "
+                       f"{state.config.max_prompts_per_request}.", "too_many_prompts", "prompt")
+
+
+def prepare(state: ServerState, request_id: str, prompt_text: str | None, prompt_ids: list[int],
+            params: SamplingParams, priority: int) -> PreparedRequest:
+    try:
+        return state.engine.prepare(request_id, prompt_text or prompt_ids, params, priority, prompt_ids)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "invalid_request") from exc
+
+
+@dataclass
+class Job:
+    """An admitted request: its engine requests (queued at admission), and the budget it reserved."""
+
+    prepared: list[PreparedRequest]
+    admission: Admission
+    arrival_time: float
+    streams: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
+    outputs: dict[int, RequestOutput] = field(default_factory=dict)  # the latest, by prompt index
+    closed: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p.prompt_token_ids) for p in self.prepared)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(o.token_ids) for out in self.outputs.values() for o in out.outputs)
+
+    def usage(self) -> UsageInfo:
+        prompt, completion = self.num_prompt_tokens, self.num_generated_tokens
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def admit(state: ServerState, key: str, prepared: list[PreparedRequest], arrival_time: float) -> Job:
+    """Bound the waiting queue, charge the key's rate limits (429 when either is full), then queue
+    the requests in the engine at once, so the next admission sees them. Call `close` when done."""
+    new_reqs = sum(len(p.children) for p in prepared)
+    new_tokens = sum(len(p.children) * len(p.prompt_token_ids) for p in prepared)
+    waiting_reqs, waiting_tokens = state.engine.waiting_load()
+    cfg = state.config
+    if waiting_reqs and (waiting_reqs + new_reqs > cfg.max_waiting_requests
+                         or waiting_tokens + new_tokens > cfg.max_waiting_tokens):
+        raise APIError(429, f"the server is at capacity ({waiting_reqs} requests waiting); retry shortly.",
+                       "queue_full", headers={"Retry-After": "1"})
+    reserved = sum(len(p.children) * (len(p.prompt_token_ids) + (p.params.max_tokens or 0)) for p in prepared)
+    job = Job(prepared, state.limiter.acquire(key, reserved), arrival_time)
+    try:
+        job.streams = [state.engine.generate(p, arrival_time) for p in prepared]
+    except EngineDeadError as exc:
+        close(state, job)
+        raise APIError(503, "the engine has stopped; the server must be restarted.", "engine_dead") from exc
+    return job
+
+
+def close(state: ServerState, job: Job) -> None:
+    """Abort what has not finished (a client gone, an error) and refund the unused token budget."""
+    if job.closed:
+        return
+    job.closed = True
+    for p in job.prepared:
+        state.engine.abort(p.request_id)  # a no-op for finished requests
+    used = sum(len(p.children) * len(p.prompt_token_ids) for p in job.prepared) + job.num_generated_tokens
+    state.limiter.refund(job.admission.key, job.admission.num_tokens - used)
+
+
+async def run_job(state: ServerState, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Every prompt's outputs, as (prompt index, output), merged as they come. Closing it aborts
+    what has not finished; an engine failure raises APIError(500)."""
+    async for index, output in _merge(job.streams):
+        if output.error is not None:
+            logger.error("request %s failed: %s", output.request_id, output.error)
+            raise APIError(500, ENGINE_FAILED_MESSAGE, "engine_error")
+        job.outputs[index] = output
+        yield index, output
+
+
+async def _merge(its: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    if len(its) == 1:  # the common case, without tasks
+        try:
+            async for item in its[0]:
+                yield 0, item
+        except EngineDeadError as exc:
+            logger.error("engine failure: %s", exc)
+            raise APIError(500, ENGINE_FAILED_MESSAGE, "engine_error") from exc
+        finally:
+            await its[0].aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator[T]) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item))
+            await queue.put((i, done))
+        except Exception as exc:  # noqa: BLE001 - the consumer raises it
+            await queue.put((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(its)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, EngineDeadError):
+                logger.error("engine failure: %s", item)
+                raise APIError(500, ENGINE_FAILED_MESSAGE, "engine_error") from item
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts its requests) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise APIError(499, "the client closed the connection.", "client_closed")
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def sse_frames(job: Job, frames: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Frames of a stream, then [DONE]; an error mid-stream becomes an error frame first."""
+    try:
+        async for frame in frames:
+            yield frame
+    except APIError as exc:
+        yield sse_error(exc.status, exc.message, exc.code)
+    except Exception:
+        logger.exception("a stream failed")
+        yield sse_error(500, INTERNAL_ERROR_MESSAGE, "internal_error")
+    yield SSE_DONE
+
+
+class JobStreamingResponse(StreamingResponse):
+    """A stream that closes its job however it ends, even when the client left before it began."""
+
+    def __init__(self, state: ServerState, job: Job, frames: AsyncIterator[str]) -> None:
+        super().__init__(sse_frames(job, frames), media_type="text/event-stream", headers={
+            "Cache-Control": "no-cache", "X-Accel-Buffering": "no", **job.admission.headers})
+        self.state, self.job = state, job
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close(self.state, self.job)
+
+
+async def finish(state: ServerState, job: Job, request: Request) -> None:
+    """Run an unstreamed job to its end; a client that disconnects first aborts it."""
+    try:
+        await until_disconnect(request, _drain(state, job))
+    finally:
+        close(state, job)
+
+
+async def _drain(state: ServerState, job: Job) -> None:
+    async for _ in run_job(state, job):
+        pass
+
+
+def decoded(tokenizer: Any, token_id: int, entry: TokenLogprobs | None) -> str:
+    lp = (entry or {}).get(token_id)
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -inf or NaN: a logprob that is one becomes a very unlikely finite value."""
+    return max(-9999.0, logprob)  # NaN compares false, so it also becomes -9999
+
+
+def monotonic() -> float:
+    return time.monotonic()
