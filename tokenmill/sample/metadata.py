@@ -40,6 +40,7 @@ class SamplingMetadata:
     min_tokens_rows: torch.Tensor  # [num_masked] int64
     min_tokens_token_ids: torch.Tensor  # [num_masked] int64
     all_greedy: bool
+    no_greedy: bool
     no_penalties: bool
     no_top_k: bool
     no_top_p: bool
@@ -111,6 +112,7 @@ class SamplingMetadata:
             min_tokens_rows=ints(mask_rows),
             min_tokens_token_ids=ints(mask_ids),
             all_greedy=all(greedy),
+            no_greedy=not any(greedy),
             no_penalties=no_penalties,
             no_top_k=all(k == vocab_size for k in top_k),
             no_top_p=all(p == 1.0 for p in top_p),

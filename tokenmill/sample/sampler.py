@@ -62,6 +62,8 @@ def _apply_request_adjustments(logits: torch.Tensor, meta: SamplingMetadata) -> 
 
 
 def _pick(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    if meta.no_greedy:
+        return _sample(logits, meta)
     greedy_ids = logits.argmax(dim=-1)  # [num_reqs]
     if meta.all_greedy:
         return greedy_ids
