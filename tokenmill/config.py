@@ -14,12 +14,15 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 class ModelConfig:
     model: str  # a local HF folder, a .gguf file, or a preset name (with load_format="dummy")
     hf_config: Any  # transformers.PretrainedConfig
-    dtype: str  # "bfloat16" | "float32" | "float16"
+    dtype: str  # the arithmetic and KV cache dtype: "bfloat16" | "float32" | "float16"
     max_model_len: int
     load_format: str = "auto"
     seed: int = 0
     tokenizer: str | None = None  # folder with the tokenizer files; None when the model has none
     quantization: str | None = None  # a method in tokenmill.quant (e.g. "int8"); None = full precision
+    # Set when the weights are rounded to a lower precision than `dtype` computes in: "bfloat16" asked
+    # on a CPU without bf16 instructions runs bf16-rounded weights with float32 arithmetic.
+    weight_dtype: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -83,13 +86,14 @@ class EngineArgs:
 
     def create_engine_config(self) -> tuple[EngineConfig, Any]:
         """Returns the frozen config and the resolved model source (folder, tokenizer, eos ids)."""
-        from tokenmill.loader.model_loader import resolve_dtype, resolve_source
+        from tokenmill.loader.model_loader import resolve_precision, resolve_source
 
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {self.load_format!r}; use one of {LOAD_FORMATS}.")
         from tokenmill.quant import check_quantization
 
         check_quantization(self.quantization)
+        dtype, weight_dtype = resolve_precision(self.dtype, self.device)
         source = resolve_source(self.model, self.load_format)
         hf_config = source.hf_config
         model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
@@ -101,7 +105,8 @@ class EngineArgs:
         model = ModelConfig(
             model=str(source.folder or self.model),
             hf_config=hf_config,
-            dtype=resolve_dtype(self.dtype, self.device),
+            dtype=dtype,
+            weight_dtype=weight_dtype,
             max_model_len=max_model_len,
             load_format=self.load_format,
             seed=self.seed,

@@ -168,4 +168,5 @@ def engine_config(llm: LLM) -> dict[str, Any]:
         "attention_backend": llm.engine.runner.backend.name,
         "seed": config.model.seed,
         "quantization": config.model.quantization,
+        "weight_dtype": config.model.weight_dtype or config.model.dtype,
     }

@@ -45,8 +45,9 @@ class EngineCore:
         self.num_idle_steps = 0  # consecutive steps that scheduled nothing while requests waited
         self.num_failed_steps = 0  # model steps that raised (the server treats one as fatal)
         logger.info(
-            "engine ready: %d KV blocks of %d tokens, dtype %s, attention %s",
-            self.num_blocks, config.cache.block_size, config.model.dtype, self.runner.backend.name,
+            "engine ready: %d KV blocks of %d tokens, dtype %s (weights %s), attention %s",
+            self.num_blocks, config.cache.block_size, config.model.dtype,
+            config.model.weight_dtype or config.model.dtype, self.runner.backend.name,
         )
 
     def add_request(self, request: Request) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from tokenmill.loader.dummy import init_dummy_weights
 from tokenmill.loader.presets import PRESETS, preset_config
 from tokenmill.models.layers.rotary import RotaryEmbedding
 from tokenmill.models.registry import model_class
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,17 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "float32"
 
 
+def resolve_precision(dtype: str, device: str) -> tuple[str, str | None]:
+    """(arithmetic dtype, weight rounding dtype or None). bf16 asked on a CPU without bf16 instructions,
+    where bf16 GEMMs run several times slower than fp32, becomes bf16-rounded weights with fp32
+    arithmetic: the model's bf16 weights exactly, at fp32 speed (llama.cpp's CPU path does the same)."""
+    resolved = resolve_dtype(dtype, device)
+    if resolved == "bfloat16" and device == "cpu" and not cpu_has_bf16():
+        logger.info("this CPU has no bf16 instructions: bf16 weights, float32 arithmetic and KV cache")
+        return "float32", "bfloat16"
+    return resolved, None
+
+
 def cpu_has_bf16() -> bool:
     """True where the CPU computes bf16 natively (AVX-512 BF16 or AMX); elsewhere fp32 is faster."""
     try:
@@ -103,8 +117,17 @@ def load_model(config: ModelConfig, folder: Path | None, backend: AttentionBacke
         missing = {n for n, _ in model.named_parameters()} - loaded
         if missing:
             raise ValueError(f"the checkpoint in {folder} lacks {sorted(missing)[:5]} ...")
+    if config.weight_dtype is not None:
+        round_weights(model, getattr(torch, config.weight_dtype))
     if config.quantization is not None:  # a module swap on the loaded float weights
         from tokenmill.quant import quantize_model
 
         quantize_model(model, config.quantization)
     return model.eval()
+
+
+@torch.no_grad()
+def round_weights(model: nn.Module, dtype: torch.dtype) -> None:
+    """Round every parameter to `dtype` in place, keeping its storage dtype."""
+    for param in model.parameters():
+        param.copy_(param.to(dtype))

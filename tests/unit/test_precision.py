@@ -1,0 +1,40 @@
+"""bf16 on a CPU without bf16 instructions: bf16-rounded weights, float32 arithmetic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.loader import model_loader
+from tokenmill.loader.model_loader import resolve_precision
+
+
+def test_bf16_becomes_rounded_weights_only_where_the_cpu_lacks_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_loader, "cpu_has_bf16", lambda: False)
+    assert resolve_precision("bfloat16", "cpu") == ("float32", "bfloat16")
+    assert resolve_precision("auto", "cpu") == ("float32", None)
+    assert resolve_precision("float32", "cpu") == ("float32", None)
+    assert resolve_precision("bfloat16", "cuda") == ("bfloat16", None)
+    monkeypatch.setattr(model_loader, "cpu_has_bf16", lambda: True)
+    assert resolve_precision("bfloat16", "cpu") == ("bfloat16", None)
+    assert resolve_precision("auto", "cpu") == ("bfloat16", None)
+
+
+def test_rounded_weights_model_runs_the_bf16_weights_in_float32(
+    llama_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(model_loader, "cpu_has_bf16", lambda: False)
+    llm = LLM(model=str(llama_model), dtype="bfloat16", num_kv_blocks=64)
+    assert llm.config.model.dtype == "float32" and llm.config.model.weight_dtype == "bfloat16"
+    params = dict(llm.engine.runner.model.named_parameters())
+    for name, param in params.items():
+        assert param.dtype == torch.float32, name
+        assert torch.equal(param, param.bfloat16().float()), f"{name} is not bf16-representable"
+    fp32 = LLM(model=str(llama_model), dtype="float32", num_kv_blocks=64)
+    fp32_params = dict(fp32.engine.runner.model.named_parameters())
+    assert any(not torch.equal(params[n], fp32_params[n]) for n in params)  # the rounding did something
+    out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
