@@ -29,6 +29,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                        help="CUDA: share of the GPU's memory for weights, activations and KV cache")
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--load-format", default=d.load_format, help="auto | safetensors | gguf | dummy")
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -37,6 +39,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduling-policy", default=d.scheduling_policy, help="fcfs | priority")
     parser.add_argument("--quantization", default=d.quantization,
                         help="int8: per-channel int8 weights quantized at load (default: none)")
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: never capture CUDA graphs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

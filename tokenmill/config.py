@@ -34,8 +34,16 @@ class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit count; otherwise from the memory budget
     kv_cache_memory_gb: float = 2.0  # CPU budget for the KV cache
+    # CUDA: the share of the device's memory the engine may use (weights, activations, KV cache).
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization is a share of the device's memory in (0, 1], got "
+                f"{self.gpu_memory_utilization}."
+            )
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: str = "cpu"
     attention_backend: str = "auto"  # "auto" | "torch_ref" | "cpu"
+    enforce_eager: bool = False  # True: never capture CUDA graphs
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -76,6 +85,7 @@ class EngineArgs:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 2.0
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     load_format: str = "auto"
     seed: int = 0
@@ -83,6 +93,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     scheduling_policy: str = "fcfs"
     quantization: str | None = None  # "int8": per-channel int8 weights, quantized at load
+    enforce_eager: bool = False  # CUDA: run every step eagerly, without CUDA graphs
 
     def create_engine_config(self) -> tuple[EngineConfig, Any]:
         """Returns the frozen config and the resolved model source (folder, tokenizer, eos ids)."""
@@ -117,6 +128,7 @@ class EngineArgs:
             block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks,
             kv_cache_memory_gb=self.kv_cache_memory_gb,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching,
         )
         scheduler = SchedulerConfig(
@@ -125,4 +137,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             policy=self.scheduling_policy,
         )
-        return EngineConfig(model, cache, scheduler, self.device, self.attention_backend), source
+        config = EngineConfig(
+            model, cache, scheduler, self.device, self.attention_backend, enforce_eager=self.enforce_eager
+        )
+        return config, source

@@ -11,6 +11,9 @@ from tokenmill.attention.metadata import AttentionMetadata
 
 class AttentionBackend(Protocol):
     name: str
+    # True when a decode step may be captured in a CUDA graph and replayed: the decode path reads only
+    # device tensors, plus host values that the graph runner fixes at capture (see worker/cuda_graph.py).
+    supports_cuda_graphs: bool
 
     def forward(
         self,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention import cpu_kernels
+from tokenmill import cpu_extensions
 from tokenmill.attention.backend import write_kv
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.torch_ref import gather_context
@@ -18,9 +18,10 @@ from tokenmill.attention.torch_ref import gather_context
 
 class SDPABackend:
     name = "sdpa"
+    supports_cuda_graphs = False  # its KV write (index_copy_) cannot skip the graph runner's padding slots
 
     def __init__(self, device: torch.device, use_cpp_kernels: bool = True) -> None:
-        kernels = cpu_kernels.load() if use_cpp_kernels and device.type == "cpu" else None
+        kernels = cpu_extensions.load("paged_decode") if use_cpp_kernels and device.type == "cpu" else None
         self._paged_decode = kernels.paged_decode if kernels is not None else None
         if self._paged_decode is not None:
             self.name = "cpu"

@@ -22,6 +22,7 @@ def gather_context(
 
 class TorchRefBackend:
     name = "torch_ref"
+    supports_cuda_graphs = False
 
     def forward(
         self,

@@ -85,6 +85,8 @@ def cmd_throughput(args: argparse.Namespace) -> None:
     mode = f"static batches of {args.max_num_seqs}" if args.static_batching else "continuous batching"
     print(f"\n{args.workload}: {mode}, {engine_config(llm)['dtype']}, {llm.config.model.model}")
     print(format_result(result))
+    if llm.engine.runner.cuda_graph_capture_s is not None:  # before the timed window, not in it
+        print(f"  CUDA graph capture took {llm.engine.runner.cuda_graph_capture_s:.2f} s at startup")
     if args.output_json:
         report = {
             "command": shlex.join(sys.argv),
@@ -169,4 +171,6 @@ def engine_config(llm: LLM) -> dict[str, Any]:
         "seed": config.model.seed,
         "quantization": config.model.quantization,
         "weight_dtype": config.model.weight_dtype or config.model.dtype,
+        "enforce_eager": config.enforce_eager,
+        "cuda_graph_capture_s": llm.engine.runner.cuda_graph_capture_s,  # None: no graphs (CPU, eager)
     }

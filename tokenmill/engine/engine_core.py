@@ -19,27 +19,66 @@ from tokenmill.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 logger = logging.getLogger(__name__)
 
 
-def num_kv_blocks(config: EngineConfig) -> int:
+def num_kv_blocks(config: EngineConfig, runner: ModelRunner) -> int:
     """An explicit count, else what the memory budget holds (never more than every sequence could use
-    at full length: beyond that, blocks only serve as prefix cache, which the budget still bounds)."""
+    at full length: beyond that, blocks only serve as prefix cache, which the budget still bounds).
+    The budget: kv_cache_memory_gb on CPU; on CUDA, what profiling the largest step leaves."""
     if config.cache.num_kv_blocks is not None:
         return config.cache.num_kv_blocks
     per_block = kv_cache_bytes_per_block(config)
-    if config.device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info()
-        budget = free * config.cache.gpu_memory_utilization
+    if runner.device.type == "cuda":
+        total, peak = profile_peak_memory(runner)
+        blocks = profiled_num_kv_blocks(total, peak, config.cache.gpu_memory_utilization, per_block)
     else:
-        budget = config.cache.kv_cache_memory_gb * 2**30
+        blocks = int(config.cache.kv_cache_memory_gb * 2**30 // per_block)
     blocks_per_seq = -(-config.scheduler.max_model_len // config.cache.block_size)
-    return max(1, min(int(budget // per_block), 2 * config.scheduler.max_num_seqs * blocks_per_seq))
+    return max(1, min(blocks, 2 * config.scheduler.max_num_seqs * blocks_per_seq))
+
+
+def profiled_num_kv_blocks(total_bytes: int, peak_bytes: int, utilization: float, per_block_bytes: int) -> int:
+    """KV blocks that fit in `utilization` of the device's `total_bytes` beside `peak_bytes`, the most
+    the engine used without a KV cache (weights, the largest step's activations and sampling, memory
+    outside PyTorch). Raises a ValueError that says what to change when not one block fits."""
+    budget = int(total_bytes * utilization) - peak_bytes
+    if budget < per_block_bytes:
+        gib = 2**30
+        raise ValueError(
+            f"no room for the KV cache: {utilization:g} of the GPU's {total_bytes / gib:.2f} GiB is "
+            f"{total_bytes * utilization / gib:.2f} GiB, and the weights and the largest step already peak at "
+            f"{peak_bytes / gib:.2f} GiB (one KV block needs {per_block_bytes / 2**20:.2f} MiB). Raise "
+            f"--gpu-memory-utilization, lower --max-num-batched-tokens or --max-num-seqs, or use a smaller "
+            f"model or dtype."
+        )
+    return budget // per_block_bytes
+
+
+def profile_peak_memory(runner: ModelRunner) -> tuple[int, int]:
+    """(the device's total bytes, the peak bytes in use around `runner.profile_run()`): PyTorch's peak
+    allocation plus the device memory in use outside PyTorch's allocator (the CUDA context, libraries,
+    other processes). CUDA graphs, captured later, live in what `gpu_memory_utilization` leaves over."""
+    device = runner.device
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    runner.profile_run()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    outside_torch = (total - free) - torch.cuda.memory_reserved(device)
+    logger.info(
+        "profiled the largest step: peak %.2f GiB in PyTorch + %.2f GiB outside it, of %.2f GiB",
+        peak / 2**30, max(0, outside_torch) / 2**30, total / 2**30,
+    )
+    return total, peak + max(0, outside_torch)
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.config = config
         self.runner = ModelRunner(config, source.folder, source.eos_token_ids)
-        self.num_blocks = num_kv_blocks(config)
+        self.num_blocks = num_kv_blocks(config, self.runner)
         self.runner.allocate_kv_cache(self.num_blocks)
+        self.runner.capture_cuda_graphs()  # CUDA only; after the cache, which the graphs read in place
         self.kv_cache = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.num_idle_steps = 0  # consecutive steps that scheduled nothing while requests waited

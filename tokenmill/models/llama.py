@@ -14,6 +14,7 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.models.layers.fused import cpu_ops
 from tokenmill.models.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
@@ -58,16 +59,20 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         n = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(
-            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1
-        )
+        qkv = self.qkv_proj(hidden)  # [num_tokens, (Hq + 2 * Hkv) * D]
+        ops = cpu_ops(qkv) if self.q_norm is None else None
+        if ops is not None:  # rotate the q and k heads of the fused output in place, in one pass
+            cos, sin = rotary
+            ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin)
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)[0]
             k = self.k_norm(k)[0]
-        q, k = apply_rotary(rotary, q, k)
+        if ops is None:
+            q, k = apply_rotary(rotary, q, k)
         if self.kv_cache is None:
             raise RuntimeError("the KV cache was not bound to this attention layer")
         out = backend.forward(q, k, v, self.kv_cache, meta, self.scale)  # [num_tokens, Hq, D]
@@ -82,7 +87,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        ops = cpu_ops(gate_up)
+        if ops is not None:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -87,14 +88,14 @@ class SamplingMetadata:
         wanted = [p.logprobs for p in params if p.logprobs is not None]
 
         def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return to_device(values, torch.float32, device)
 
         def ints(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+            return to_device(values, torch.int64, device)
 
         return cls(
             temperature=floats([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            greedy=to_device(greedy, torch.bool, device),
             top_k=ints(top_k),
             top_p=floats(top_p),
             min_p=floats(min_p),
@@ -167,4 +168,13 @@ def _pad(rows: list[list[int]], num_reqs: int, pad: int, device: torch.device) -
         return torch.empty(num_reqs, 0, dtype=torch.int64, device=device)
     width = max(len(r) for r in rows)
     padded = [r + [pad] * (width - len(r)) for r in rows]
-    return torch.tensor(padded, dtype=torch.int64, device=device)
+    return to_device(padded, torch.int64, device)
+
+
+def to_device(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`. On CUDA, staged in pinned memory and copied asynchronously:
+    `torch.tensor(values, device="cuda")` waits for the stream to drain, i.e. for the step's forward,
+    and the step's one host sync is meant to be the sampled ids' `.tolist()`."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

@@ -25,7 +25,7 @@ def mask_tokens(
     token_ids: torch.Tensor,  # [num_masked] int64
 ) -> None:
     """Sets `logits[rows[i], token_ids[i]]` to -inf, so that token can never be picked."""
-    logits.index_put_((rows, token_ids), torch.tensor(float("-inf"), device=logits.device))
+    logits.index_put_((rows, token_ids), logits.new_full((), float("-inf")))  # a fill, not a host copy
 
 
 def apply_penalties(

@@ -14,6 +14,8 @@ from tokenmill.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.sample.logprobs import compute_topk_logprobs, to_token_logprobs
 from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sample.sampler import Sampler
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.input_batch import RunnerRequestState, StepBatch, build_step_batch
 
 # Seeded requests reseed their generator from (seed, output position) each step, so a request's
@@ -41,12 +43,15 @@ class ModelRunner:
         self.sampler = Sampler()
         self.states: dict[str, RunnerRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        self.cuda_graphs: CudaGraphRunner | None = None  # set by capture_cuda_graphs
+        self.cuda_graph_capture_s: float | None = None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One [2, num_blocks, block_size, Hkv, D] tensor per layer, bound to its attention module.
         Zeroed: padded context slots are masked, but must never hold NaN (0 * NaN = NaN)."""
         dtype = getattr(torch, self.config.model.dtype)
         self.kv_caches = []
+        self.cuda_graphs = None  # captured graphs read the old cache in place
         for layer in self.model.layers:
             attn = layer.self_attn
             cache = torch.zeros(
@@ -54,6 +59,65 @@ class ModelRunner:
             )
             attn.kv_cache = cache
             self.kv_caches.append(cache)
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode CUDA graphs (worker/cuda_graph.py) once the KV cache is allocated: the
+        graphs read it where it is now. A no-op off CUDA, with enforce_eager, or with an attention
+        backend that cannot be graphed; every step then runs eagerly."""
+        if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.supports_cuda_graphs:
+            return
+        if not self.kv_caches:
+            raise RuntimeError("allocate the KV cache before capturing CUDA graphs: they read it in place")
+        graphs = CudaGraphRunner(
+            self.model,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            max_model_len=self.config.model.max_model_len,
+            block_size=self.block_size,
+            hidden_size=self.config.model.hf_config.hidden_size,
+            dtype=getattr(torch, self.config.model.dtype),
+            device=self.device,
+        )
+        stats = graphs.capture()  # logs the batch sizes, the seconds and the memory it took
+        self.cuda_graphs = graphs
+        self.cuda_graph_capture_s = stats.seconds
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """The largest step the scheduler can hand out, on dummy tokens: max_num_batched_tokens tokens
+        over up to max_num_seqs prompts, each then sampled with top-k and top-p (the sampler's costliest
+        path). Every token's k/v goes to block 0 of a one-block scratch cache, freed afterwards, so the
+        step's memory is the weights' plus its activations: the caller measures the peak around it."""
+        sched = self.config.scheduler
+        num_seqs = min(sched.max_num_seqs, sched.max_num_batched_tokens)
+        num_tokens = min(sched.max_num_batched_tokens, num_seqs * sched.max_model_len)
+        lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+        states = [
+            RunnerRequestState(
+                req_id=f"profile-{i}", num_prompt_tokens=n, token_ids=[0] * n, sampling_params=params,
+                block_ids=[0] * -(-n // self.block_size), num_computed_tokens=0,
+            )
+            for i, n in enumerate(lens)
+        ]
+        self.allocate_kv_cache(1)
+        try:
+            batch = build_step_batch(states, lens, self.block_size, self.device)
+            hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)  # [num_tokens, hidden]
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_seqs, vocab]
+            meta = SamplingMetadata.build(
+                params=[params] * num_seqs,
+                prompt_token_ids=[s.token_ids for s in states],
+                output_token_ids=[[] for _ in states],
+                generators=[None] * num_seqs,
+                eos_token_ids=self.eos_token_ids,
+                vocab_size=self.vocab_size,
+                device=self.device,
+            )
+            self.sampler(logits, meta)
+        finally:
+            for layer in self.model.layers:
+                layer.self_attn.kv_cache = None
+            self.kv_caches = []
 
     # ------------------------------------------------------------------ state updates
     def _update_states(self, sched: SchedulerOutput) -> list[RunnerRequestState]:
@@ -84,7 +148,7 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids={})
         num_scheduled = [sched.num_scheduled_tokens[s.req_id] for s in states]
         batch = build_step_batch(states, num_scheduled, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)  # [num_tokens, hidden]
+        hidden = self._forward(batch)  # [num_tokens, hidden]
         output = ModelRunnerOutput(sampled_token_ids={})
         if batch.prompt_logprob_rows:
             output.prompt_logprobs = self._prompt_logprobs(hidden, batch)
@@ -93,6 +157,13 @@ class ModelRunner:
         for state, n in zip(states, num_scheduled):
             state.num_computed_tokens += n
         return output
+
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
+        """A decode step that fits a captured graph replays it (its output is a view, valid until the
+        graph's next replay); every other step runs eagerly."""
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+            return self.cuda_graphs.run(batch)
+        return self.model(batch.input_ids, batch.positions, batch.attn_metadata)
 
     def _sample(self, hidden: torch.Tensor, batch: StepBatch, output: ModelRunnerOutput) -> None:
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab]

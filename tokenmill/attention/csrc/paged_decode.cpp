@@ -10,9 +10,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "avx2_math.h"
 
 namespace {
 
@@ -64,24 +62,6 @@ inline float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
-// exp(x) for x <= 0: 2^n * exp(r) with |r| <= ln2/2 and Cephes' degree-5 polynomial (relative error
-// ~1e-7); inputs below -87 give 2^-126-ish, which the callers treat as 0.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 inline void block_scores_avx2(const float* q, const float* k, int64_t k_stride, int64_t n, int64_t head_dim,
                               float* scores) {
   int64_t t = 0;
@@ -107,7 +87,7 @@ inline float block_exp_avx2(float* scores, int64_t n, float max) {
   __m256 sum = _mm256_setzero_ps();
   int64_t t = 0;
   for (; t + 8 <= n; t += 8) {
-    const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + t), m));
+    const __m256 p = tokenmill::exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + t), m));
     _mm256_storeu_ps(scores + t, p);
     sum = _mm256_add_ps(sum, p);
   }

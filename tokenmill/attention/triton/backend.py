@@ -23,6 +23,7 @@ from tokenmill.attention.triton.util import num_sms
 
 class TritonBackend:
     name = "triton"
+    supports_cuda_graphs = True  # see the module docstring
 
     def __init__(
         self,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.models.layers.fused import cpu_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -23,7 +25,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (normed, new residual): residual + x is both the next residual and the norm's input."""
+        """Returns (normed, new residual): residual + x is both the next residual and the norm's input.
+        With a residual, both x and residual may be updated in place (the caller owns them)."""
+        ops = cpu_ops(x) if residual is not None else None
+        if ops is not None and residual is not None and x.is_contiguous() and residual.is_contiguous():
+            ops.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
         if residual is not None:
             x = x + residual
         return self._norm(x), x
