@@ -7,10 +7,12 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/addmm.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -22,23 +24,26 @@ namespace {
 constexpr int64_t kPanel = 16;  // output channels per panel
 constexpr int64_t kRows = 6;    // activation rows per register tile (12 accumulators)
 constexpr int64_t kRowBlock = 96;  // activation rows kept hot (L2) while all panels stream past
+constexpr int64_t kPrewidenRows = 16;  // from this many rows on, widen each panel once per row block
+constexpr int64_t kDequantizeRows = 128;  // from this many rows on, a dense float32 GEMM (see dense_linear)
 
 #ifdef TM_AVX2
 inline __m256 widen8(const int8_t* w) {  // 8 int8 -> 8 float32
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
 }
+inline __m256 widen8(const float* w) { return _mm256_loadu_ps(w); }  // a panel widened beforehand
 
 // One register tile: MR activation rows x 16 output channels, over all of K. With few rows the
 // K loop is split into U interleaved partial sums so enough FMAs are in flight.
-template <int MR, int U>
-inline void tile(const float* x, int64_t ldx, const int8_t* panel, int64_t K, __m256 (&out)[MR][2]) {
+template <int MR, int U, typename W>
+inline void tile(const float* x, int64_t ldx, const W* panel, int64_t K, __m256 (&out)[MR][2]) {
   __m256 acc[U][MR][2];
   for (int u = 0; u < U; ++u)
     for (int i = 0; i < MR; ++i) acc[u][i][0] = acc[u][i][1] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + U <= K; k += U) {
     for (int u = 0; u < U; ++u) {
-      const int8_t* w = panel + (k + u) * kPanel;
+      const W* w = panel + (k + u) * kPanel;
       const __m256 w0 = widen8(w), w1 = widen8(w + 8);
       for (int i = 0; i < MR; ++i) {
         const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k + u);
@@ -48,7 +53,7 @@ inline void tile(const float* x, int64_t ldx, const int8_t* panel, int64_t K, __
     }
   }
   for (; k < K; ++k) {
-    const int8_t* w = panel + k * kPanel;
+    const W* w = panel + k * kPanel;
     const __m256 w0 = widen8(w), w1 = widen8(w + 8);
     for (int i = 0; i < MR; ++i) {
       const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);
@@ -66,11 +71,11 @@ inline void tile(const float* x, int64_t ldx, const int8_t* panel, int64_t K, __
   }
 }
 
-template <int MR, int U>
-void rows(const float* x, int64_t ldx, const int8_t* panel, int64_t K, const float* scale, const float* bias,
+template <int MR, int U, typename W>
+void rows(const float* x, int64_t ldx, const W* panel, int64_t K, const float* scale, const float* bias,
           float* y, int64_t ldy, int64_t num_cols) {
   __m256 out[MR][2];
-  tile<MR, U>(x, ldx, panel, K, out);
+  tile<MR, U, W>(x, ldx, panel, K, out);
   const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
   const __m256 b0 = _mm256_loadu_ps(bias), b1 = _mm256_loadu_ps(bias + 8);
   for (int i = 0; i < MR; ++i) {
@@ -90,7 +95,8 @@ void rows(const float* x, int64_t ldx, const int8_t* panel, int64_t K, const flo
 #endif
 
 // Scalar fallback (no AVX2/FMA at build time): same packed layout, same results up to rounding.
-void rows_scalar(const float* x, int64_t ldx, int64_t mr, const int8_t* panel, int64_t K, const float* scale,
+template <typename W>
+void rows_scalar(const float* x, int64_t ldx, int64_t mr, const W* panel, int64_t K, const float* scale,
                  const float* bias, float* y, int64_t ldy, int64_t num_cols) {
   for (int64_t i = 0; i < mr; ++i) {
     float acc[kPanel] = {0};
@@ -100,20 +106,39 @@ void rows_scalar(const float* x, int64_t ldx, int64_t mr, const int8_t* panel, i
   }
 }
 
-void panel_rows(const float* x, int64_t ldx, int64_t mr, const int8_t* panel, int64_t K, const float* scale,
+template <typename W>
+void panel_rows(const float* x, int64_t ldx, int64_t mr, const W* panel, int64_t K, const float* scale,
                 const float* bias, float* y, int64_t ldy, int64_t num_cols) {
 #ifdef TM_AVX2
   switch (mr) {
-    case 6: return rows<6, 1>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
-    case 5: return rows<5, 1>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
-    case 4: return rows<4, 1>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
-    case 3: return rows<3, 2>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
-    case 2: return rows<2, 2>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
-    default: return rows<1, 4>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+    case 6: return rows<6, 1, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+    case 5: return rows<5, 1, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+    case 4: return rows<4, 1, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+    case 3: return rows<3, 2, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+    case 2: return rows<2, 2, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+    default: return rows<1, 4, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
   }
 #else
   rows_scalar(x, ldx, mr, panel, K, scale, bias, y, ldy, num_cols);
 #endif
+}
+
+// Prefill-sized batches: the GEMM is compute bound, and the BLAS sgemm beats our register tiles, so
+// widen the weight once to float32 (cheap next to 2*M*N*K flops) and let at::linear run it.
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                        const at::Tensor& bias, int64_t N) {
+  const int64_t K = packed.size(1), P = packed.size(0), NP = P * kPanel;
+  at::Tensor wt = at::empty({K, NP}, x.options());  // the weight transposed, [K, N padded]: panels stay contiguous
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* dp = wt.data_ptr<float>();
+  at::parallel_for(0, K, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k)
+      for (int64_t p = 0; p < P; ++p)
+        for (int64_t j = 0; j < kPanel; ++j)
+          dp[k * NP + p * kPanel + j] = static_cast<float>(wp[(p * K + k) * kPanel + j]) * sp[p * kPanel + j];
+  });
+  return at::addmm(bias.narrow(0, 0, N), x, wt.narrow(1, 0, N));
 }
 
 }  // namespace
@@ -127,20 +152,31 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
   TORCH_CHECK(packed.size(1) == K, "x has ", K, " features, the weight ", packed.size(1));
   TORCH_CHECK(P * kPanel >= N && scale.numel() == P * kPanel && bias.numel() == P * kPanel, "bad scale/bias");
+  if (M >= kDequantizeRows) return dense_linear(x, packed, scale, bias, N);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   const float* bp = bias.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  // With many rows, widening the int8 weights inside every tile costs more than the FMAs it feeds:
+  // each panel is widened once per row block into a float buffer (L2-resident) that the tiles read.
+  const bool prewiden = M >= kPrewidenRows;
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const int64_t m1 = std::min(M, m0 + kRowBlock);
     at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> widened(prewiden ? K * kPanel : 0);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanel, num_cols = std::min(kPanel, N - n0);
+        const int8_t* panel = wp + p * K * kPanel;
+        if (prewiden)
+          for (int64_t i = 0; i < K * kPanel; ++i) widened[i] = static_cast<float>(panel[i]);
         for (int64_t m = m0; m < m1; m += kRows) {
-          panel_rows(xp + m * K, K, std::min(kRows, m1 - m), wp + p * K * kPanel, K, sp + n0, bp + n0,
-                     yp + m * N + n0, N, num_cols);
+          const int64_t mr = std::min(kRows, m1 - m);
+          if (prewiden)
+            panel_rows(xp + m * K, K, mr, widened.data(), K, sp + n0, bp + n0, yp + m * N + n0, N, num_cols);
+          else
+            panel_rows(xp + m * K, K, mr, panel, K, sp + n0, bp + n0, yp + m * N + n0, N, num_cols);
         }
       }
     });
