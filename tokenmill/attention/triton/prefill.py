@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.attention.triton.tiles import paged_kv_offsets, softmax_accumulate
 from tokenmill.attention.triton.util import dot_precision, next_pow2
 
 
@@ -108,26 +109,17 @@ def _prefill_kernel(
     for start_n in range(0, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < kv_end
-        block = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        kv_off = block * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_off
-        kv_off += kv_head * stride_cache_head  # [BLOCK_N]
+        kv_off = paged_kv_offsets(block_table, offs_n, n_valid, kv_head, stride_cache_block, stride_cache_off,
+                                  stride_cache_head, BLOCK_SIZE)  # [BLOCK_N]
         k = tl.load(
             k_cache_ptr + kv_off[None, :] + dims[:, None],
             mask=n_valid[None, :] & dim_valid[:, None], other=0.0,
         )  # [DIM_PAD, BLOCK_N]
         qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
         qk = tl.where(offs_n[None, :] <= q_pos[:, None], qk, float("-inf"))
-        # Key 0 is in the first tile and visible to every row, so m_new is finite from there on.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + kv_off[:, None] + dims[None, :],
-            mask=n_valid[:, None] & dim_valid[None, :], other=0.0,
-        )  # [BLOCK_N, DIM_PAD]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        # Key 0 is in the first tile and visible to every row, so the row max is finite from there on.
+        m_i, l_i, acc = softmax_accumulate(qk, m_i, l_i, acc, v_cache_ptr, kv_off, dims, n_valid, dim_valid,
+                                           DOT_PREC)
 
     out = acc / l_i[:, None]
     tl.store(
