@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -18,6 +20,8 @@ SOURCES = {
     "paged_decode": _ROOT / "attention" / "csrc" / "paged_decode.cpp",
     "cpu_ops": _ROOT / "models" / "layers" / "csrc" / "cpu_ops.cpp",
 }
+# A build takes about a minute; a lock file older than this was left by a build that was killed.
+_STALE_LOCK_S = 900.0
 
 
 @functools.cache
@@ -26,6 +30,7 @@ def load(name: str) -> ModuleType | None:
     use their pure-PyTorch path."""
     from torch.utils import cpp_extension
 
+    _remove_stale_lock(Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()), name)
     try:
         return cpp_extension.load(
             name=f"tokenmill_{name}",
@@ -41,3 +46,14 @@ def load(name: str) -> ModuleType | None:
     except Exception as exc:  # no compiler or ninja: fall back to PyTorch ops
         logger.warning("could not build the C++ kernel %r (%s); using PyTorch ops instead", name, exc)
         return None
+
+
+def _remove_stale_lock(root: Path, name: str) -> None:
+    """torch waits forever on a build lock; one left by a killed build would hang every later start."""
+    for lock in [*root.glob(f"tokenmill_{name}/lock"), *root.glob(f"*/tokenmill_{name}/lock")]:
+        try:
+            if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+                logger.warning("removing a stale build lock %s", lock)
+                lock.unlink()
+        except OSError:
+            pass

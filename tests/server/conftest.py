@@ -19,6 +19,8 @@ from transformers import PreTrainedTokenizerFast
 from tests.tiny_models import TINY, make_tiny_model
 from tokenmill.config import EngineArgs
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.core_client import ThreadCoreClient
+from tokenmill.engine.engine_core import EngineCore
 from tokenmill.server.config import ServerConfig, ServerState
 from tokenmill.server.launcher import GracefulServer, make_server
 
@@ -86,22 +88,32 @@ class RunningServer:
         """Until nothing is in flight and the engine has freed every block."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not self.engine.streams and not self.engine.core.has_unfinished() and self.free_blocks() == \
-                    self.engine.core.num_blocks:
+            snap = self.engine.snapshot  # what the engine last reported, wherever it runs
+            if not self.engine.streams and snap.num_running == snap.num_waiting == 0 and \
+                    snap.num_free_blocks == self.engine.num_blocks:
                 return
             time.sleep(0.02)
         raise AssertionError(f"still busy: {len(self.engine.streams)} streams, {self.free_blocks()} free blocks")
 
     def free_blocks(self) -> int:
-        return self.engine.core.kv_cache.pool.num_free_blocks
+        return self.engine.snapshot.num_free_blocks
+
+    @property
+    def core(self) -> EngineCore:
+        """The engine core itself (servers whose engine runs on a thread of this process)."""
+        assert isinstance(self.engine.client, ThreadCoreClient)
+        return self.engine.client.core
 
 
 @contextmanager
-def run_server(model: Path, config: ServerConfig | None = None, **engine_overrides: Any) -> Iterator[RunningServer]:
-    """A real uvicorn server on a free loopback port, in a thread; stopped on exit."""
+def run_server(model: Path, config: ServerConfig | None = None, engine_process: bool = False,
+               **engine_overrides: Any) -> Iterator[RunningServer]:
+    """A real uvicorn server on a free loopback port, in a thread; stopped on exit. Its engine core runs
+    on a thread (tests can reach into it) unless `engine_process`, as under `tokenmill serve`."""
     config = config or ServerConfig()
     config = ServerConfig(**{**config.__dict__, "port": free_port(), "served_model_name": MODEL_NAME})
-    state = ServerState.create(config, AsyncEngine(engine_args(model, **engine_overrides)))
+    engine = AsyncEngine(engine_args(model, **engine_overrides), engine_process=engine_process)
+    state = ServerState.create(config, engine)
     server = make_server(state, log_level="warning")
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -119,5 +131,6 @@ def run_server(model: Path, config: ServerConfig | None = None, **engine_overrid
 
 @pytest.fixture(scope="module")
 def server(chat_model: Path) -> Iterator[RunningServer]:
-    with run_server(chat_model) as running:
+    """As `tokenmill serve` runs: the engine core in a process of its own."""
+    with run_server(chat_model, engine_process=True) as running:
         yield running

@@ -106,7 +106,7 @@ def test_a_full_queue_answers_429_at_once(chat_model: Path) -> None:
     with run_server(chat_model, config, max_num_seqs=1) as server:
         # Hold the engine inside its first step, so that admitted requests stay queued.
         gate = threading.Event()
-        model = server.engine.core.runner.model
+        model = server.core.runner.model
         real_forward = model.forward
 
         def gated_forward(*args: Any, **kwargs: Any) -> Any:

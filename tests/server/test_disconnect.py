@@ -34,7 +34,7 @@ def test_200_dropped_streams_free_every_kv_block(server: RunningServer) -> None:
 
     asyncio.run(main())
     server.wait_idle()  # raises unless every block is free and nothing is in flight
-    assert server.engine.core.kv_cache.usage == 0.0
+    assert server.engine.snapshot.kv_cache_usage == 0.0
     with server.client() as client:  # still serving
         out = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
         assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 3

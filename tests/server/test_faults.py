@@ -15,7 +15,7 @@ from tests.server.conftest import run_server
 
 def test_a_failing_forward_errors_every_request_and_fails_health(chat_model: Path) -> None:
     with run_server(chat_model, max_num_seqs=4) as server:
-        model = server.engine.core.runner.model
+        model = server.core.runner.model
         real_forward = model.forward
         calls = {"n": 0}
 

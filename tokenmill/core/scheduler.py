@@ -37,6 +37,32 @@ class SchedulerStats:
         return self.kv_slots_used / self.kv_slots_allocated if self.kv_slots_allocated else 0.0
 
 
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """What any request must fit: plain numbers, so a front end in another process can check them."""
+
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+
+    def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Reject at once what could never run, so nothing waits forever."""
+        if num_prompt_tokens < 1:
+            raise ValueError("the prompt is empty; give at least one token.")
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                f"max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens."
+            )
+        blocks = -(-total // self.block_size)
+        if blocks > self.num_blocks:
+            raise ValueError(
+                f"the request needs {blocks} KV blocks but the cache has only {self.num_blocks}; "
+                "shorten it or give the KV cache more memory."
+            )
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
@@ -48,22 +74,12 @@ class Scheduler:
         self._ended_since_last_step: set[str] = set()
 
     # ------------------------------------------------------------------ requests in and out
+    @property
+    def limits(self) -> AdmissionLimits:
+        return AdmissionLimits(self.config.max_model_len, self.kv_cache.block_size, self.kv_cache.num_blocks)
+
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Reject at once what could never run, so nothing waits forever."""
-        if num_prompt_tokens < 1:
-            raise ValueError("the prompt is empty; give at least one token.")
-        total = num_prompt_tokens + max_tokens
-        if total > self.config.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-                f"max_model_len ({self.config.max_model_len}); shorten the prompt or lower max_tokens."
-            )
-        blocks = self.kv_cache.blocks_needed(total)
-        if blocks > self.kv_cache.num_blocks:
-            raise ValueError(
-                f"the request needs {blocks} KV blocks but the cache has only {self.kv_cache.num_blocks}; "
-                "shorten it or give the KV cache more memory."
-            )
+        self.limits.check(num_prompt_tokens, max_tokens)
 
     def add_request(self, request: Request) -> None:
         self.check_fits(request.num_prompt_tokens, request.max_tokens)

@@ -1,10 +1,9 @@
-"""The engine core on its own thread, driven from asyncio: one stream of RequestOutputs per request.
+"""The async engine: one stream of RequestOutputs per request, with the engine core stepping elsewhere.
 
-The engine thread does nothing but apply commands (add, abort) between steps and run
-`EngineCore.step()`; torch releases the GIL inside its kernels, so the asyncio side meanwhile parses
-HTTP, tokenizes prompts, detokenizes outputs and applies stop strings. Commands reach the engine
-thread through a `queue.Queue`; each step's outputs come back through `loop.call_soon_threadsafe`.
-Both sides share memory, so nothing is serialized (no pickle, no socket).
+The asyncio side parses HTTP, tokenizes prompts, detokenizes outputs and applies stop strings; the
+engine core only applies commands (add, abort) between steps and steps. By default the core runs in
+a process of its own, so the two never share a GIL (core_client.py); `engine_process=False` puts it
+on a thread of this process instead.
 
 Usage::
 
@@ -15,8 +14,9 @@ Usage::
         print(out.outputs[0].delta_text, end="")
 
 A stream that its consumer stops reading (a client that disconnects) aborts its request: the
-engine frees its KV blocks before its next step. A model step that raises marks the engine dead:
-every in-flight request ends with `EngineDeadError` and nothing new is accepted.
+engine frees its KV blocks before its next step. A model step that raises, or an engine process
+that dies, marks the engine dead: every in-flight request ends with `EngineDeadError` and nothing
+new is accepted.
 """
 
 from __future__ import annotations
@@ -25,16 +25,15 @@ import asyncio
 import collections
 import itertools
 import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from tokenmill.config import EngineArgs
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.core_client import CoreClient, ProcessCoreClient, ThreadCoreClient
+from tokenmill.engine.core_loop import EngineDeadError, EngineSnapshot
 from tokenmill.engine.input_processor import InputProcessor, PreparedRequest, Prompt
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.loader.hf import load_tokenizer
@@ -43,28 +42,7 @@ from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# How long the idle engine thread waits for a command before it beats again.
-_IDLE_POLL_S = 0.5
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (a model step failed, or it was shut down)."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine's state right after a step, taken on the engine thread."""
-
-    num_running: int
-    num_waiting: int
-    num_waiting_tokens: int  # tokens the waiting requests still have to compute
-    kv_cache_usage: float  # share of KV blocks held by live requests
-    num_free_blocks: int
-    num_preemptions: int  # cumulative
-    prefix_cache_queries: int  # cumulative, tokens
-    prefix_cache_hits: int  # cumulative, tokens
-    num_step_tokens: int  # tokens scheduled by this step
-    last_add_seq: int  # every add command up to this one is counted above
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineSnapshot", "RequestStream", "StatsListener"]
 
 
 class StatsListener(Protocol):
@@ -107,48 +85,41 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, args: EngineArgs, stall_timeout_s: float = 300.0) -> None:
+    def __init__(self, args: EngineArgs, stall_timeout_s: float = 300.0, engine_process: bool = True) -> None:
         self.config, source = args.create_engine_config()
         self.tokenizer = load_tokenizer(source.tokenizer) if source.tokenizer else None
-        self.core = EngineCore(self.config, source)
-        self.inputs = InputProcessor(
-            self.tokenizer, self.config.model.vocab_size, source.eos_token_ids, self.core.scheduler
-        )
+        self.client: CoreClient = (ProcessCoreClient if engine_process else ThreadCoreClient)(self.config, source)
+        self.inputs = InputProcessor(self.tokenizer, self.config.model.vocab_size, source.eos_token_ids,
+                                     self.client.limits)
         self.outputs = OutputProcessor(self.tokenizer)
         self.stall_timeout_s = stall_timeout_s
         self.stats: StatsListener | None = None
         self.streams: dict[str, RequestStream] = {}
         self.dead_reason: str | None = None  # set once the loop has stopped, for whatever reason
         self.failed = False  # the loop stopped because of an error (not a shutdown)
-        self._commands: queue.Queue[tuple[Any, ...]] = queue.Queue()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._add_seq = itertools.count(1)
         # Adds the engine has not yet counted in a snapshot: (seq, requests, tokens).
         self._unacked: collections.deque[tuple[int, int, int]] = collections.deque()
-        self.snapshot = EngineSnapshot(0, 0, 0, 0.0, self.core.num_blocks, 0, 0, 0, 0, 0)
-        self._step_started: float | None = None  # set while a step runs
+        self.num_blocks = self.client.num_blocks
+        self.snapshot = EngineSnapshot(0, 0, 0, 0.0, self.num_blocks, 0, 0, 0, 0, 0)
+        self._last_event = time.monotonic()  # when the engine last reported, for stall detection
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Start the engine thread; call from inside the event loop that will consume outputs."""
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
-        self._thread.start()
+        """Start the engine loop; call from inside the event loop that will consume outputs."""
+        self.client.start(self._on_step, self._on_dead)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread after its current step; in-flight requests end as dead."""
-        self._commands.put(("stop",))
-        if self._thread is not None:
-            self._thread.join(timeout)
+        """Stop the engine loop after its current step; in-flight requests end as dead."""
+        self.client.shutdown(timeout)
 
     @property
     def is_dead(self) -> bool:
         return self.dead_reason is not None
 
     def is_stalled(self) -> bool:
-        started = self._step_started
-        return started is not None and time.monotonic() - started > self.stall_timeout_s
+        """Requests are in flight but the engine has not reported for stall_timeout_s."""
+        return bool(self.streams) and time.monotonic() - self._last_event > self.stall_timeout_s
 
     @property
     def num_in_flight(self) -> int:
@@ -182,6 +153,8 @@ class AsyncEngine:
             raise EngineDeadError(self.dead_reason)
         if prepared.request_id in self.streams:
             raise ValueError(f"request id {prepared.request_id!r} is already in use.")
+        if not self.streams:  # the engine had nothing to report while idle
+            self._last_event = time.monotonic()
         stream = RequestStream(
             prepared.request_id, prepared.children, len(prepared.prompt_token_ids),
             arrival_time if arrival_time is not None else time.monotonic(),
@@ -193,7 +166,7 @@ class AsyncEngine:
         )
         seq = next(self._add_seq)
         self._unacked.append((seq, len(prepared.children), len(prepared.children) * stream.num_prompt_tokens))
-        self._commands.put(("add", seq, prepared.children))
+        self.client.add(seq, prepared.children)
         return stream
 
     def generate(self, prepared: PreparedRequest, arrival_time: float | None = None
@@ -225,9 +198,7 @@ class AsyncEngine:
             return
         stream.finished = True
         output = self.outputs.abort(request_id)
-        live = [c.req_id for c in stream.children if not c.is_finished]
-        if live:
-            self._commands.put(("abort", live, RequestStatus.FINISHED_ABORTED))
+        self.client.abort([c.req_id for c in stream.children], RequestStatus.FINISHED_ABORTED)
         if output is not None:
             stream.queue.put_nowait(output)
             if self.stats is not None:
@@ -246,7 +217,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ step results (event loop side)
     def _on_step(self, core_outputs: list[EngineCoreOutput], snapshot: EngineSnapshot) -> None:
-        self.snapshot = snapshot
+        self.snapshot, self._last_event = snapshot, time.monotonic()
         while self._unacked and self._unacked[0][0] <= snapshot.last_add_seq:
             self._unacked.popleft()
         if self.stats is not None:
@@ -255,7 +226,7 @@ class AsyncEngine:
             return
         results, to_stop = self.outputs.process(core_outputs)
         if to_stop:
-            self._commands.put(("abort", to_stop, RequestStatus.FINISHED_STOPPED))
+            self.client.abort(to_stop, RequestStatus.FINISHED_STOPPED)
         now = time.monotonic()
         for result in results:
             stream = self.streams.get(result.request_id)
@@ -284,82 +255,6 @@ class AsyncEngine:
             self.outputs.abort(request_id)
             stream.queue.put_nowait(error)
         self.streams.clear()
-
-    # ------------------------------------------------------------------ the engine thread
-    def _run(self) -> None:
-        assert self._loop is not None
-        loop, last_seq = self._loop, 0
-        try:
-            while True:
-                stop, last_seq, early = self._apply_commands(block=not self.core.has_unfinished(),
-                                                             last_seq=last_seq)
-                if stop:
-                    _notify(loop, self._on_dead, "the engine was shut down.", False)
-                    return
-                if not self.core.has_unfinished() and not early:
-                    continue
-                failed_before = self.core.num_failed_steps
-                steps_before = self.core.scheduler.stats.num_scheduled_tokens
-                self._step_started = time.monotonic()
-                outputs = early + self.core.step()
-                self._step_started = None
-                snapshot = self._take_snapshot(self.core.scheduler.stats.num_scheduled_tokens - steps_before,
-                                               last_seq)
-                loop.call_soon_threadsafe(self._on_step, outputs, snapshot)
-                if self.core.num_failed_steps > failed_before:
-                    raise EngineDeadError("a model step failed; the engine stopped (see the server log).")
-        except BaseException as exc:  # the loop must never die silently
-            if not isinstance(exc, EngineDeadError):
-                logger.exception("the engine loop failed")
-            reason = str(exc) if isinstance(exc, EngineDeadError) else "the engine loop failed (see the server log)."
-            _notify(loop, self._on_dead, reason, True)
-
-    def _apply_commands(self, block: bool, last_seq: int) -> tuple[bool, int, list[EngineCoreOutput]]:
-        """Apply queued commands; returns (stop?, last add seq applied, outputs for rejected adds)."""
-        rejected: list[EngineCoreOutput] = []
-        try:
-            command = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return False, last_seq, rejected
-        while True:
-            if command[0] == "stop":
-                return True, last_seq, rejected
-            if command[0] == "add":
-                last_seq = command[1]
-                for child in command[2]:
-                    try:
-                        self.core.add_request(child)
-                    except ValueError as exc:  # validated already; never let one request stop the loop
-                        rejected.append(EngineCoreOutput(child.req_id, [], finish_reason="error", error=str(exc)))
-            else:
-                for req_id in command[1]:
-                    self.core.abort_request(req_id, command[2])
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return False, last_seq, rejected
-
-    def _take_snapshot(self, num_step_tokens: int, last_seq: int) -> EngineSnapshot:
-        sched, kv = self.core.scheduler, self.core.kv_cache
-        return EngineSnapshot(
-            num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
-            num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
-            kv_cache_usage=kv.usage,
-            num_free_blocks=kv.pool.num_free_blocks,
-            num_preemptions=sched.stats.num_preemptions,
-            prefix_cache_queries=kv.stats.queries,
-            prefix_cache_hits=kv.stats.hits,
-            num_step_tokens=num_step_tokens,
-            last_add_seq=last_seq,
-        )
-
-
-def _notify(loop: asyncio.AbstractEventLoop, callback: Any, *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(callback, *args)
-    except RuntimeError:  # the event loop has closed: nobody is left to tell
-        pass
 
 
 def _merge(older: RequestOutput, newer: RequestOutput | BaseException) -> RequestOutput | BaseException:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.core.request import Request
-from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.scheduler import AdmissionLimits
 from tokenmill.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -23,11 +23,11 @@ class PreparedRequest:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any | None, vocab_size: int, eos_token_ids: list[int], scheduler: Scheduler):
+    def __init__(self, tokenizer: Any | None, vocab_size: int, eos_token_ids: list[int], limits: AdmissionLimits):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.scheduler = scheduler
+        self.limits = limits
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -75,11 +75,11 @@ class InputProcessor:
         params.check_vocab(self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids).")
-        max_len = self.scheduler.config.max_model_len
+        max_len = self.limits.max_model_len
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=max(1, max_len - len(ids)))
         assert params.max_tokens is not None
-        self.scheduler.check_fits(len(ids), params.max_tokens)
+        self.limits.check(len(ids), params.max_tokens)
         children = self._fan_out(request_id, ids, params, priority)
         return PreparedRequest(request_id, text, ids, params, children)
 

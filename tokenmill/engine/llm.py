@@ -38,7 +38,7 @@ class LLM:
         self.tokenizer = load_tokenizer(source.tokenizer) if source.tokenizer else None
         self.engine = EngineCore(self.config, source)
         self.inputs = InputProcessor(
-            self.tokenizer, self.config.model.vocab_size, source.eos_token_ids, self.engine.scheduler
+            self.tokenizer, self.config.model.vocab_size, source.eos_token_ids, self.engine.scheduler.limits
         )
         self._ids = itertools.count()
 

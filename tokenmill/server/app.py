@@ -2,7 +2,7 @@
 that bounds body sizes and checks API keys before any route runs.
 
     state = ServerState.create(ServerConfig(), AsyncEngine(EngineArgs()))
-    app = build_app(state)  # serve with uvicorn; the engine thread starts with the app
+    app = build_app(state)  # serve with uvicorn; the engine loop starts with the app
 
 Both middlewares are plain ASGI (not BaseHTTPMiddleware) so streaming and disconnect detection
 pass straight through."""

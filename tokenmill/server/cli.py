@@ -39,7 +39,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     server.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
                         help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
     server.add_argument("--engine-stall-timeout", type=float, default=d.engine_stall_timeout_s,
-                        help="a step running longer than this makes /health fail")
+                        help="requests in flight and no step finished for this long makes /health fail")
+    server.add_argument("--engine-in-thread", action="store_true",
+                        help="run the engine core on a thread of the server process instead of its own process "
+                             "(debugging; it then shares the GIL with HTTP and detokenization, so it is slower)")
     server.add_argument("--metrics-require-key", action="store_true", help="protect /metrics with the API key")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=cmd_serve)
@@ -54,6 +57,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_n=args.max_n, max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
         max_body_bytes=args.max_body_bytes, shutdown_timeout_s=args.shutdown_timeout,
         engine_stall_timeout_s=args.engine_stall_timeout, metrics_require_key=args.metrics_require_key,
+        engine_in_thread=args.engine_in_thread,
     )
 
 

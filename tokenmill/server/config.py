@@ -29,7 +29,8 @@ class ServerConfig:
     max_prompts_per_request: int = 64  # completions with a list of prompts
     max_body_bytes: int = 4 << 20
     shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
-    engine_stall_timeout_s: float = 300.0  # a step running longer than this fails /health
+    engine_stall_timeout_s: float = 300.0  # in-flight requests and no engine report this long fail /health
+    engine_in_thread: bool = False  # run the engine core on a thread of the server process, not its own
     metrics_require_key: bool = False  # /metrics is open by default, for scrapers
 
     def keys(self) -> list[str]:

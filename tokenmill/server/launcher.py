@@ -99,7 +99,7 @@ messages=[{{"role": "user", "content": "Hello!"}}]).choices[0].message.content)'
 
 def serve(engine_args: EngineArgs, config: ServerConfig, log_level: str = "info") -> None:
     """Load the model, then serve until SIGTERM / Ctrl-C."""
-    engine = AsyncEngine(engine_args, config.engine_stall_timeout_s)
+    engine = AsyncEngine(engine_args, config.engine_stall_timeout_s, engine_process=not config.engine_in_thread)
     state = ServerState.create(config, engine)
     if config.host not in ("127.0.0.1", "localhost", "::1") and not state.keys.enabled:
         logger.warning("listening on %s without an API key: anyone who can reach it can use it "

@@ -1,0 +1,51 @@
+"""The msgpack wire between the server process and the engine process: what goes in comes out."""
+
+from __future__ import annotations
+
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.engine import core_wire as wire
+from tokenmill.engine.core_loop import EngineSnapshot
+from tokenmill.outputs import EngineCoreOutput, Logprob
+from tokenmill.sampling_params import SamplingParams
+
+
+def test_add_command_keeps_params_and_the_prefill_leader() -> None:
+    params = SamplingParams(max_tokens=9, temperature=0.7, top_k=5, seed=3, logit_bias={7: -2.5},
+                            stop=["\n\n"], stop_token_ids=[4], logprobs=2)
+    leader = Request("r#0", [1, 2, 3], params, frozenset({2, 0}), priority=-1, arrival_time=12.5)
+    child = Request("r#1", [1, 2, 3], params, frozenset({2, 0}), priority=-1, prefill_leader=leader)
+    kind, seq, children = wire.decode_command(wire.encode_command(("add", 7, [leader, child])))
+    assert (kind, seq) == ("add", 7)
+    assert [c.req_id for c in children] == ["r#0", "r#1"]
+    assert children[1].prefill_leader is children[0] and children[0].prefill_leader is None
+    assert children[0].sampling_params == params and children[0].sampling_params.logit_bias == {7: -2.5}
+    assert children[0].eos_token_ids == frozenset({0, 2}) and children[0].arrival_time == 12.5
+    assert children[0].priority == -1 and children[0].prompt_token_ids == [1, 2, 3]
+
+
+def test_abort_and_stop_commands() -> None:
+    assert wire.decode_command(wire.encode_command(("abort", ["a", "b"], RequestStatus.FINISHED_STOPPED))) == (
+        "abort", ["a", "b"], RequestStatus.FINISHED_STOPPED)
+    assert wire.decode_command(wire.encode_command(("stop",))) == ("stop",)
+
+
+def test_step_event_keeps_outputs_logprobs_snapshot_and_timings() -> None:
+    lps = {5: Logprob(-0.25, 1), 9: Logprob(-1.5, 2)}
+    outputs = [
+        EngineCoreOutput("a", [5], new_logprobs=lps, new_prompt_logprobs=[None, {3: Logprob(-2.0, 4)}]),
+        EngineCoreOutput("b", [], finish_reason="stop", stop_reason=2, error=None),
+        EngineCoreOutput("c", [], finish_reason="error", error="boom"),
+    ]
+    finished = Request("b", [1], SamplingParams())
+    finished.first_scheduled_time, finished.first_token_time, finished.finished_time = 1.0, 2.0, 3.0
+    finished.num_preemptions, finished.num_cached_tokens = 1, 16
+    snapshot = EngineSnapshot(3, 1, 40, 0.25, 90, 2, 128, 64, 17, 5)
+    message = wire.unpack(wire.encode_step(outputs, snapshot, {"b": finished}))
+    decoded, got_snapshot = wire.decode_step(message)
+    assert got_snapshot == snapshot
+    assert [o for o, _ in decoded] == outputs
+    assert [t for _, t in decoded] == [None, [1.0, 2.0, 3.0, 1, 16], None]
+    copy = Request("b", [1], SamplingParams())
+    wire.apply_timings(copy, decoded[1][1])
+    assert (copy.first_scheduled_time, copy.first_token_time, copy.finished_time) == (1.0, 2.0, 3.0)
+    assert (copy.num_preemptions, copy.num_cached_tokens) == (1, 16)

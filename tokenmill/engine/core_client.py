@@ -1,0 +1,272 @@
+"""Where the engine core runs, seen from the asyncio front end: a thread or a process of its own.
+
+Both clients take commands (add, abort) from the event loop and call `on_step` / `on_dead` on it.
+
+- `ProcessCoreClient` (the server's default): the core runs in a spawned process, so the step
+  loop never shares a GIL with HTTP parsing, tokenization and detokenization. Commands and events
+  cross two one-way OS pipes (not sockets) as msgpack; a writer thread keeps the event loop from
+  ever blocking on a full pipe. If the process dies, `on_dead` reports it.
+- `ThreadCoreClient`: the core on a thread of this process (tests inspect and patch the core in
+  place; `--engine-in-thread` for debugging). Nothing is serialized.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.scheduler import AdmissionLimits
+from tokenmill.engine import core_wire as wire
+from tokenmill.engine.core_loop import Command, CoreLoop, EngineSnapshot
+from tokenmill.engine.engine_core import EngineCore
+from tokenmill.outputs import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+OnStep = Callable[[list[EngineCoreOutput], EngineSnapshot], None]
+OnDead = Callable[[str, bool], None]  # (reason, failed: an error rather than a shutdown)
+
+# How long start-up may take (loading and converting a model, building C++ kernels the first time).
+_START_TIMEOUT_S = 1800.0
+
+
+class CoreClient(Protocol):
+    limits: AdmissionLimits
+    num_blocks: int
+
+    def start(self, on_step: OnStep, on_dead: OnDead) -> None:
+        """Start the loop; call inside the running event loop that gets the callbacks."""
+        ...
+
+    def add(self, seq: int, children: list[Request]) -> None: ...
+
+    def abort(self, req_ids: list[str], status: RequestStatus) -> None: ...
+
+    def shutdown(self, timeout: float) -> None: ...
+
+
+# ---------------------------------------------------------------------- thread
+class ThreadCoreClient:
+    def __init__(self, config: EngineConfig, source: Any) -> None:
+        self.core = EngineCore(config, source)
+        self.limits = self.core.scheduler.limits
+        self.num_blocks = self.core.num_blocks
+        self._commands: queue.Queue[Command] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def start(self, on_step: OnStep, on_dead: OnDead) -> None:
+        sink = _LoopSink(asyncio.get_running_loop(), on_step, on_dead)
+        self._thread = threading.Thread(target=CoreLoop(self.core, _QueueCommands(self._commands), sink).run,
+                                        name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    def add(self, seq: int, children: list[Request]) -> None:
+        self._commands.put(("add", seq, children))
+
+    def abort(self, req_ids: list[str], status: RequestStatus) -> None:
+        self._commands.put(("abort", req_ids, status))
+
+    def shutdown(self, timeout: float) -> None:
+        self._commands.put(("stop",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+class _QueueCommands:
+    def __init__(self, commands: queue.Queue[Command]) -> None:
+        self.commands = commands
+
+    def get(self, timeout: float) -> Command | None:
+        try:
+            return self.commands.get(timeout=timeout) if timeout > 0 else self.commands.get_nowait()
+        except queue.Empty:
+            return None
+
+
+class _LoopSink:
+    """Hands events to the event loop's thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_step: OnStep, on_dead: OnDead) -> None:
+        self.loop, self.on_step, self.on_dead = loop, on_step, on_dead
+
+    def step(self, outputs: list[EngineCoreOutput], snapshot: EngineSnapshot) -> None:
+        self._call(self.on_step, outputs, snapshot)
+
+    def dead(self, reason: str, failed: bool) -> None:
+        self._call(self.on_dead, reason, failed)
+
+    def _call(self, callback: Callable[..., None], *args: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the event loop has closed: nobody is left to tell
+            pass
+
+
+# ---------------------------------------------------------------------- process
+class ProcessCoreClient:
+    def __init__(self, config: EngineConfig, source: Any) -> None:
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold torch threads
+        commands_in, self._commands = ctx.Pipe(duplex=False)
+        self._events, events_out = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=run_engine_process, args=(config, source, commands_in, events_out),
+                                   name="tokenmill-engine", daemon=True)
+        self.process.start()
+        commands_in.close()
+        events_out.close()
+        self.limits = AdmissionLimits(*self._wait_ready())
+        self.num_blocks = self.limits.num_blocks
+        self._children: dict[str, Request] = {}  # this side's copies, to fill in their core timings
+        self._outbox: queue.Queue[bytes | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._write, name="tokenmill-engine-writer", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_step: OnStep | None = None
+        self._on_dead: OnDead | None = None
+
+    def _wait_ready(self) -> list[int]:
+        waited = 0.0
+        try:
+            while not self._events.poll(1.0):
+                waited += 1.0
+                if not self.process.is_alive() or waited > _START_TIMEOUT_S:
+                    raise EOFError
+            message = wire.unpack(self._events.recv_bytes())
+        except (EOFError, OSError):
+            self.process.kill()
+            self.process.join(10)
+            raise RuntimeError(f"the engine process did not start (exit code {self.process.exitcode}); "
+                               "see its log above.") from None
+        if message[0] != "ready":
+            self.process.join(10)
+            raise RuntimeError(f"the engine process could not start: {message[1]}")
+        return message[1]
+
+    def start(self, on_step: OnStep, on_dead: OnDead) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._on_step, self._on_dead = on_step, on_dead
+        self._writer.start()
+        self._loop.add_reader(self._events.fileno(), self._read)
+
+    def add(self, seq: int, children: list[Request]) -> None:
+        for child in children:
+            self._children[child.req_id] = child
+        self._outbox.put(wire.encode_command(("add", seq, children)))
+
+    def abort(self, req_ids: list[str], status: RequestStatus) -> None:
+        for req_id in req_ids:
+            self._children.pop(req_id, None)
+        self._outbox.put(wire.encode_command(("abort", req_ids, status)))
+
+    def shutdown(self, timeout: float) -> None:
+        self._outbox.put(wire.encode_command(("stop",)))
+        self._outbox.put(None)
+        if self._writer.is_alive():
+            self._writer.join(timeout)
+        else:  # never started: write the stop here
+            try:
+                self._commands.send_bytes(wire.encode_command(("stop",)))
+            except OSError:
+                pass
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+    def _write(self) -> None:
+        while (data := self._outbox.get()) is not None:
+            try:
+                self._commands.send_bytes(data)
+            except OSError:  # the engine process is gone; the reader reports it
+                return
+
+    def _read(self) -> None:
+        assert self._on_step is not None and self._on_dead is not None
+        try:
+            while self._events.poll():
+                message = wire.unpack(self._events.recv_bytes())
+                if message[0] == "dead":
+                    self._stop_reading()
+                    self._on_dead(message[1], message[2])
+                    return
+                self._on_step(*self._decode_step(message))
+        except (EOFError, OSError):
+            self._stop_reading()
+            self.process.join(5)
+            self._on_dead(f"the engine process exited unexpectedly (exit code {self.process.exitcode}).", True)
+
+    def _decode_step(self, message: list[Any]) -> tuple[list[EngineCoreOutput], EngineSnapshot]:
+        decoded, snapshot = wire.decode_step(message)
+        outputs = []
+        for output, timings in decoded:
+            child = self._children.pop(output.req_id, None) if output.finished else self._children.get(output.req_id)
+            if timings is not None and child is not None:
+                wire.apply_timings(child, timings)
+            outputs.append(output)
+        return outputs, snapshot
+
+    def _stop_reading(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._events.fileno())
+
+
+def run_engine_process(config: EngineConfig, source: Any, commands: Connection, events: Connection) -> None:
+    """The engine process: load the model, say "ready", then run the core loop until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which stops us in order
+    logging.basicConfig(level=logging.WARNING, format="tokenmill engine process: %(levelname)s %(message)s")
+    try:
+        core = EngineCore(config, source)
+    except Exception as exc:
+        logger.exception("loading the model failed")
+        events.send_bytes(wire.pack(["start_failed", f"{type(exc).__name__}: {exc}"]))
+        return
+    events.send_bytes(wire.pack(["ready", [core.scheduler.limits.max_model_len, core.scheduler.limits.block_size,
+                                           core.num_blocks]]))
+    live: dict[str, Request] = {}
+    CoreLoop(core, _PipeCommands(commands, live), _PipeEvents(events, live)).run()
+
+
+class _PipeCommands:
+    def __init__(self, conn: Connection, live: dict[str, Request]) -> None:
+        self.conn, self.live = conn, live
+
+    def get(self, timeout: float) -> Command | None:
+        try:
+            if not self.conn.poll(timeout):
+                return None
+            command = wire.decode_command(self.conn.recv_bytes())
+        except (EOFError, OSError):  # the server process is gone: stop
+            return ("stop",)
+        if command[0] == "add":
+            self.live.update((r.req_id, r) for r in command[2])
+        elif command[0] == "abort":
+            for req_id in command[1]:
+                self.live.pop(req_id, None)
+        return command
+
+
+class _PipeEvents:
+    def __init__(self, conn: Connection, live: dict[str, Request]) -> None:
+        self.conn, self.live = conn, live
+
+    def step(self, outputs: list[EngineCoreOutput], snapshot: EngineSnapshot) -> None:
+        self._send(wire.encode_step(outputs, snapshot, self.live))
+        for output in outputs:
+            if output.finished:
+                self.live.pop(output.req_id, None)
+
+    def dead(self, reason: str, failed: bool) -> None:
+        self._send(wire.pack(["dead", reason, failed]))
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self.conn.send_bytes(data)
+        except OSError:  # the server process is gone; the next command read says stop
+            pass
