@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.loader import model_loader
 from tokenmill.loader.model_loader import resolve_precision
+from tokenmill.quant import Bf16Linear, kernels
 
 
 def test_bf16_becomes_rounded_weights_only_where_the_cpu_lacks_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -38,3 +40,27 @@ def test_rounded_weights_model_runs_the_bf16_weights_in_float32(
     assert any(not torch.equal(params[n], fp32_params[n]) for n in params)  # the rounding did something
     out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 8
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the C++ packed GEMM could not be built here")
+def test_packed_bf16_weights_decode_like_the_rounded_fp32_weights(
+    llama_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the kernel builds, the linear layers keep their bf16 weights packed (half the bytes to
+    stream per decode step); the numbers are those of the rounded fp32 weights."""
+    monkeypatch.setattr(model_loader, "cpu_has_bf16", lambda: False)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    prompts = [[1, 2, 3, 4], list(range(5, 40))]
+    packed = LLM(model=str(llama_model), dtype="bfloat16", num_kv_blocks=64)
+    linears = [m for m in packed.engine.runner.model.modules() if isinstance(m, (nn.Linear, Bf16Linear))]
+    assert linears and all(isinstance(m, Bf16Linear) for m in linears)
+    got = packed.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    rounded = LLM(model=str(llama_model), dtype="bfloat16", num_kv_blocks=64)
+    assert not any(isinstance(m, Bf16Linear) for m in rounded.engine.runner.model.modules())
+    want = rounded.generate(prompts, params, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for g_lp, w_lp in zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or []):
+            for tok, lp in w_lp.items():
+                assert abs(g_lp[tok].logprob - lp.logprob) < 1e-3

@@ -12,7 +12,7 @@ from torch import nn
 from tests.tiny_models import make_tiny_model, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineArgs
-from tokenmill.quant import Int8Linear, kernels
+from tokenmill.quant import Bf16Linear, Int8Linear, kernels
 from tokenmill.quant.int8 import dequantize_per_channel, quantize_per_channel
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="the C++ int8 GEMM could not be built here")
@@ -68,6 +68,17 @@ def test_cpu_kernel_equals_dequantize_then_matmul(num_tokens: int) -> None:
     expected = (x.double() @ layer.dequantize().double().T + bias.double()).float()
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
     assert layer(x.bfloat16()).dtype == torch.bfloat16  # the model's dtype in, the same out
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_tokens", [1, 3, 7, 20, 130])  # register tiles, pre-widened panels, dense GEMM
+def test_bf16_linear_is_fp32_math_on_the_bf16_weights(num_tokens: int) -> None:
+    w, bias = random_weight(40, 77), torch.randn(40)
+    x = torch.randn(num_tokens, 77)
+    layer = Bf16Linear(w, bias)
+    assert layer.packed.dtype == torch.bfloat16 and torch.equal(layer.weight_bf16(), w.bfloat16())
+    expected = (x.double() @ w.bfloat16().double().T + bias.double()).float()
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_quantization_is_a_value_error_listing_the_options() -> None:

@@ -123,6 +123,11 @@ def load_model(config: ModelConfig, folder: Path | None, backend: AttentionBacke
         from tokenmill.quant import quantize_model
 
         quantize_model(model, config.quantization)
+    elif config.weight_dtype == "bfloat16" and device == "cpu":
+        from tokenmill.quant import kernels, pack_bf16_weights
+
+        if kernels.available():  # half the bytes per decode step; the same numbers
+            pack_bf16_weights(model)
     return model.eval()
 
 

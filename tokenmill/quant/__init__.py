@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tokenmill.quant.bf16 import Bf16Linear
 from tokenmill.quant.int8 import Int8Linear
 
 # name -> factory(weight [out, in], bias [out] | None) -> a module computing x @ weight.T + bias
@@ -39,7 +40,18 @@ def check_quantization(name: str | None) -> None:
 def quantize_model(model: nn.Module, name: str) -> nn.Module:
     """Swap the model's linear layers and LM head for quantized ones, in place; returns the model."""
     check_quantization(name)
-    factory = _METHODS[name]
+    return swap_linears(model, _METHODS[name])
+
+
+@torch.no_grad()
+def pack_bf16_weights(model: nn.Module) -> nn.Module:
+    """Store the linear layers and LM head as packed bf16 for the C++ kernel (CPUs without bf16
+    arithmetic, see bf16.py). The caller checks `kernels.available()` first."""
+    return swap_linears(model, Bf16Linear)
+
+
+def swap_linears(model: nn.Module, factory: QuantLinearFactory) -> nn.Module:
+    """Replace every nn.Linear, and the LM head, with `factory(weight, bias)`, in place."""
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     for path, linear in targets:
         parent_path, _, child = path.rpartition(".")
@@ -65,4 +77,5 @@ def _keep_layout_attributes(source: nn.Module, target: nn.Module) -> None:
 
 register_quant_method("int8", Int8Linear.from_weight)
 
-__all__ = ["Int8Linear", "check_quantization", "quant_methods", "quantize_model", "register_quant_method"]
+__all__ = ["Bf16Linear", "Int8Linear", "check_quantization", "pack_bf16_weights", "quant_methods", "quantize_model",
+           "register_quant_method", "swap_linears"]

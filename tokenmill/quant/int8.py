@@ -1,7 +1,7 @@
 """Per-output-channel symmetric int8 weights, quantized at load time from a float checkpoint.
 
 Weight-only: activations stay in float32, so the only error is the weights' rounding (at most half a
-step, scale/2, per element). On CPU the GEMM is our AVX2 kernel (csrc/int8_gemm.cpp), which widens
+step, scale/2, per element). On CPU the GEMM is our AVX2 kernel (csrc/packed_gemm.cpp), which widens
 int8 weights to float32 in registers: decode reads a quarter of the bytes of fp32 weights (about 3x
 faster linear layers at 1 token), and prefill runs at fp32 FMA speed.
 
@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.quant import kernels
-
-PANEL = 16  # output channels per packed panel of the C++ kernel
+from tokenmill.quant.panels import PANEL, pack_panels, unpack_panels
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,19 +34,6 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def dequantize_per_channel(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
-
-
-def pack_panels(q: torch.Tensor) -> torch.Tensor:
-    """int8 [out, in] -> [ceil(out / 16), in, 16]: 16 output channels side by side for each input
-    feature, zero rows padding the last panel (the kernel's layout)."""
-    out_features, in_features = q.shape
-    num_panels = -(-out_features // PANEL)
-    padded = F.pad(q, (0, 0, 0, num_panels * PANEL - out_features))
-    return padded.view(num_panels, PANEL, in_features).transpose(1, 2).contiguous()
-
-
-def unpack_panels(packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
 
 
 def default_kernel(device: torch.device) -> str:
@@ -97,7 +83,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         if self.kernel == "cpu":
-            y = torch.ops.tokenmill_quant.int8_linear(
+            y = torch.ops.tokenmill_quant.packed_linear(
                 x.float().contiguous(), self.qweight, self.scale, self.bias, self.out_features
             )
         else:

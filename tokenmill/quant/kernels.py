@@ -1,6 +1,6 @@
-"""The C++ int8 GEMM (csrc/int8_gemm.cpp), compiled on first use with torch's extension builder and
-cached (in TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default). It registers
-`torch.ops.tokenmill_quant.int8_linear`."""
+"""The C++ GEMM over packed int8 / bf16 weights (csrc/packed_gemm.cpp), compiled on first use with
+torch's extension builder and cached (in TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default).
+It registers `torch.ops.tokenmill_quant.packed_linear`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "int8_gemm.cpp"
+_SOURCE = Path(__file__).parent / "csrc" / "packed_gemm.cpp"
 
 
 @functools.cache
@@ -20,13 +20,15 @@ def available() -> bool:
 
     try:
         cpp_extension.load(
-            name="tokenmill_int8_gemm",
+            name="tokenmill_packed_gemm",
             sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native"],
+            # -fopenmp: at::parallel_for runs serially in code compiled without it
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             is_python_module=False,  # registers a torch op; no pybind11, so it builds in seconds
             verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 (no compiler, no ninja: fall back, never fail the load)
-        logger.warning("could not build the C++ int8 GEMM (%s); int8 layers dequantize on the fly", exc)
+        logger.warning("could not build the C++ packed GEMM (%s); packed layers dequantize on the fly", exc)
         return False
     return True

@@ -1,9 +1,10 @@
-// Weight-only int8 GEMM for CPUs: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k] + bias[n].
+// Weight-only GEMM over narrow packed weights for CPUs: y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] + bias[n].
 //
-// Activations stay float32 (quality: no activation quantization); the int8 weights are widened
-// to float32 in registers as they stream in, so memory traffic for the weights is 1/4 of fp32.
-// Weights are packed once into panels of 16 output channels, k-major: [num_panels, K, 16] int8,
-// so one k step reads 16 contiguous bytes and feeds two 8-wide FMA vectors per activation row.
+// The weights are int8 (per-channel scale) or bf16 (scale 1): activations stay float32, and the
+// weights are widened to float32 in registers as they stream in, so decode, which is bound by
+// reading the weights, moves 1/4 (int8) or 1/2 (bf16) of the bytes of fp32 weights.
+// Weights are packed once into panels of 16 output channels, k-major: [num_panels, K, 16], so one
+// k step reads 16 contiguous elements and feeds two 8-wide FMA vectors per activation row.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -11,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -27,9 +29,22 @@ constexpr int64_t kRowBlock = 96;  // activation rows kept hot (L2) while all pa
 constexpr int64_t kPrewidenRows = 16;  // from this many rows on, widen each panel once per row block
 constexpr int64_t kDequantizeRows = 128;  // from this many rows on, a dense float32 GEMM (see dense_linear)
 
+// bf16 is the top half of a float32: widening is a 16-bit shift.
+inline float to_float(int8_t w) { return static_cast<float>(w); }
+inline float to_float(uint16_t w) {
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 #ifdef TM_AVX2
 inline __m256 widen8(const int8_t* w) {  // 8 int8 -> 8 float32
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+inline __m256 widen8(const uint16_t* w) {  // 8 bf16 -> 8 float32
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 inline __m256 widen8(const float* w) { return _mm256_loadu_ps(w); }  // a panel widened beforehand
 
@@ -101,7 +116,7 @@ void rows_scalar(const float* x, int64_t ldx, int64_t mr, const W* panel, int64_
   for (int64_t i = 0; i < mr; ++i) {
     float acc[kPanel] = {0};
     for (int64_t k = 0; k < K; ++k)
-      for (int64_t j = 0; j < kPanel; ++j) acc[j] += x[i * ldx + k] * panel[k * kPanel + j];
+      for (int64_t j = 0; j < kPanel; ++j) acc[j] += x[i * ldx + k] * to_float(panel[k * kPanel + j]);
     for (int64_t j = 0; j < num_cols; ++j) y[i * ldy + j] = acc[j] * scale[j] + bias[j];
   }
 }
@@ -125,42 +140,34 @@ void panel_rows(const float* x, int64_t ldx, int64_t mr, const W* panel, int64_t
 
 // Prefill-sized batches: the GEMM is compute bound, and the BLAS sgemm beats our register tiles, so
 // widen the weight once to float32 (cheap next to 2*M*N*K flops) and let at::linear run it.
-at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+template <typename W>
+at::Tensor dense_linear(const at::Tensor& x, const W* wp, int64_t P, int64_t K, const at::Tensor& scale,
                         const at::Tensor& bias, int64_t N) {
-  const int64_t K = packed.size(1), P = packed.size(0), NP = P * kPanel;
+  const int64_t NP = P * kPanel;
   at::Tensor wt = at::empty({K, NP}, x.options());  // the weight transposed, [K, N padded]: panels stay contiguous
-  const int8_t* wp = packed.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* dp = wt.data_ptr<float>();
   at::parallel_for(0, K, 16, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k)
       for (int64_t p = 0; p < P; ++p)
         for (int64_t j = 0; j < kPanel; ++j)
-          dp[k * NP + p * kPanel + j] = static_cast<float>(wp[(p * K + k) * kPanel + j]) * sp[p * kPanel + j];
+          dp[k * NP + p * kPanel + j] = to_float(wp[(p * K + k) * kPanel + j]) * sp[p * kPanel + j];
   });
   return at::addmm(bias.narrow(0, 0, N), x, wt.narrow(1, 0, N));
 }
 
-}  // namespace
-
-// x: [M, K] float32 contiguous; packed: [P, K, 16] int8; scale, bias: [P * 16] float32 -> [M, N] float32
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                       const at::Tensor& bias, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [M, K] float32");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(2) == kPanel &&
-              packed.is_contiguous(), "packed: contiguous [P, K, 16] int8");
-  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K, "x has ", K, " features, the weight ", packed.size(1));
-  TORCH_CHECK(P * kPanel >= N && scale.numel() == P * kPanel && bias.numel() == P * kPanel, "bad scale/bias");
-  if (M >= kDequantizeRows) return dense_linear(x, packed, scale, bias, N);
+template <typename W>
+at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, const at::Tensor& scale, const at::Tensor& bias,
+                  int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (M >= kDequantizeRows) return dense_linear(x, wp, P, K, scale, bias, N);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  const int8_t* wp = packed.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   const float* bp = bias.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // With many rows, widening the int8 weights inside every tile costs more than the FMAs it feeds:
-  // each panel is widened once per row block into a float buffer (L2-resident) that the tiles read.
+  // With many rows, widening the weights inside every tile costs more than the FMAs it feeds: each
+  // panel is widened once per row block into a float buffer (L2-resident) that the tiles read.
   const bool prewiden = M >= kPrewidenRows;
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const int64_t m1 = std::min(M, m0 + kRowBlock);
@@ -168,9 +175,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       std::vector<float> widened(prewiden ? K * kPanel : 0);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanel, num_cols = std::min(kPanel, N - n0);
-        const int8_t* panel = wp + p * K * kPanel;
+        const W* panel = wp + p * K * kPanel;
         if (prewiden)
-          for (int64_t i = 0; i < K * kPanel; ++i) widened[i] = static_cast<float>(panel[i]);
+          for (int64_t i = 0; i < K * kPanel; ++i) widened[i] = to_float(panel[i]);
         for (int64_t m = m0; m < m1; m += kRows) {
           const int64_t mr = std::min(kRows, m1 - m);
           if (prewiden)
@@ -184,8 +191,25 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
-TORCH_LIBRARY(tokenmill_quant, m) {
-  m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor bias, int N) -> Tensor");
+}  // namespace
+
+// x: [M, K] float32 contiguous; packed: [P, K, 16] int8 or bf16; scale, bias: [P * 16] float32
+// (scale all ones for bf16) -> [M, N] float32
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                         const at::Tensor& bias, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [M, K] float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
+              "packed: contiguous [P, K, 16]");
+  const int64_t K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "x has ", K, " features, the weight ", packed.size(1));
+  TORCH_CHECK(P * kPanel >= N && scale.numel() == P * kPanel && bias.numel() == P * kPanel, "bad scale/bias");
+  if (packed.scalar_type() == at::kChar) return linear(x, packed.data_ptr<int8_t>(), P, scale, bias, N);
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "packed weights must be int8 or bfloat16");
+  return linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, scale, bias, N);
 }
 
-TORCH_LIBRARY_IMPL(tokenmill_quant, CPU, m) { m.impl("int8_linear", &int8_linear); }
+TORCH_LIBRARY(tokenmill_quant, m) {
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor scale, Tensor bias, int N) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_quant, CPU, m) { m.impl("packed_linear", &packed_linear); }
