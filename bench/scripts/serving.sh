@@ -3,7 +3,8 @@
 #   1. `tokenmill serve` (engine core in its own process) + `bench serve --request-rate inf` -> saturation
 #   2. the same server at 50% and 80% of that request rate (Poisson, 32 requests) -> TTFT / TPOT
 #   3. the server stopped, `bench throughput` on the same workload and model -> the offline reference
-# Usage: bash bench/scripts/serving.sh [OUT_DIR]   (default bench/results); extra server flags in $SERVE_ARGS.
+# Usage: bash bench/scripts/serving.sh [OUT_DIR]   (default bench/results); extra server flags in $SERVE_ARGS;
+# RATES="50 80" (the default) picks the shares of saturation for step 2, RATES="" skips it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-bench/results}
@@ -25,7 +26,7 @@ done
 $TM bench serve --base-url "$URL" --workload random-cpu --request-rate inf --output-json "$OUT/serve-random-cpu-inf.json"
 RATE=$(.venv/bin/python -c "import json,sys; print(json.load(open(sys.argv[1]))['results'][0]['request_throughput'])" \
   "$OUT/serve-random-cpu-inf.json")
-for PCT in 50 80; do
+for PCT in ${RATES-50 80}; do
   R=$(.venv/bin/python -c "print(round($RATE * $PCT / 100, 4))")
   $TM bench serve --base-url "$URL" --workload random-cpu --num-prompts 32 --request-rate "$R" \
     --output-json "$OUT/serve-random-cpu-${PCT}pct.json"

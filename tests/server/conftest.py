@@ -3,6 +3,8 @@ servers on loopback ports running in a background thread of the test process."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
 import threading
 import time
@@ -51,6 +53,15 @@ def make_chat_model(folder: Path) -> Path:
     fast.chat_template = CHATML
     fast.save_pretrained(folder)
     return folder
+
+
+def long_context_copy(model: Path, dest: Path) -> Path:
+    """A copy of `model` whose config allows 4,096 positions, for generations that must run long."""
+    shutil.copytree(model, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config["max_position_embeddings"] = 4096
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
 
 
 @pytest.fixture(scope="session")

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import httpx
 
-from tests.server.conftest import RunningServer
+from tests.server.conftest import RunningServer, long_context_copy, run_server
 
 LONG = {"prompt": "Hello world", "max_tokens": 200, "ignore_eos": True, "stream": True}
 
@@ -40,22 +41,24 @@ def test_200_dropped_streams_free_every_kv_block(server: RunningServer) -> None:
         assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 3
 
 
-def test_a_non_streaming_client_that_disconnects_is_aborted(server: RunningServer) -> None:
-    body = {"prompt": "Hello", "max_tokens": 250, "ignore_eos": True}
+def test_a_non_streaming_client_that_disconnects_is_aborted(chat_model: Path, tmp_path: Path) -> None:
+    # Long enough that no engine finishes it before the client's 0.3 s timeout.
+    body = {"prompt": "Hello", "max_tokens": 4000, "ignore_eos": True}
+    model = long_context_copy(chat_model, tmp_path / "model")
+    with run_server(model, engine_process=True, max_model_len=4096, num_kv_blocks=512) as server:
 
-    async def main() -> None:
-        async with httpx.AsyncClient(base_url=server.url, timeout=0.3) as client:
-            try:
-                await client.post("/v1/completions", json=body)
-            except httpx.TimeoutException:
-                pass
+        async def main() -> None:
+            async with httpx.AsyncClient(base_url=server.url, timeout=0.3) as client:
+                try:
+                    await client.post("/v1/completions", json=body)
+                except httpx.TimeoutException:
+                    pass
 
-    aborted_before = _aborted(server)
-    started = time.monotonic()
-    asyncio.run(main())
-    server.wait_idle()
-    assert _aborted(server) == aborted_before + 1
-    assert time.monotonic() - started < 10
+        started = time.monotonic()
+        asyncio.run(main())
+        server.wait_idle()
+        assert _aborted(server) == 1
+        assert time.monotonic() - started < 10
 
 
 def _aborted(server: RunningServer) -> float:

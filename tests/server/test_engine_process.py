@@ -40,7 +40,12 @@ def test_a_killed_engine_process_errors_in_flight_requests_and_fails_health(chat
     with run_server(chat_model, engine_process=True) as server:
         client_side = server.engine.client
         assert isinstance(client_side, ProcessCoreClient)
+        environ = Path(f"/proc/{client_side.process.pid}/environ")
+        if environ.exists() and "OMP_WAIT_POLICY" not in os.environ:  # its OpenMP workers sleep, not spin
+            assert b"OMP_WAIT_POLICY=PASSIVE" in environ.read_bytes().split(b"\0")
+            assert "OMP_WAIT_POLICY" not in os.environ  # and this process's environment is as it was
         body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        killed: list[bool] = []
 
         async def stream() -> list[str]:
             frames: list[str] = []
@@ -49,7 +54,8 @@ def test_a_killed_engine_process_errors_in_flight_requests_and_fails_health(chat
                     async for line in r.aiter_lines():
                         if line.startswith("data: "):
                             frames.append(line[6:])
-                            if len(frames) == 2:  # mid-generation: kill the engine process
+                            if len(frames) == 2 and not killed:  # mid-generation: kill the engine process
+                                killed.append(True)
                                 os.kill(client_side.process.pid, signal.SIGKILL)
             return frames
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,17 +15,9 @@ from typing import Any
 
 import httpx
 
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, long_context_copy
 
 SHUTDOWN_TIMEOUT_S = 3.0
-
-
-def _long_context_copy(model: Path, dest: Path) -> Path:
-    shutil.copytree(model, dest)
-    config = json.loads((dest / "config.json").read_text())
-    config["max_position_embeddings"] = 4096
-    (dest / "config.json").write_text(json.dumps(config))
-    return dest
 
 
 def _stream(url: str, body: dict[str, Any], result: dict[str, Any]) -> None:
@@ -44,7 +35,7 @@ def _stream(url: str, body: dict[str, Any], result: dict[str, Any]) -> None:
 
 
 def test_sigterm_drains_then_aborts_then_exits(chat_model: Path, tmp_path: Path) -> None:
-    model = _long_context_copy(chat_model, tmp_path / "model")
+    model = long_context_copy(chat_model, tmp_path / "model")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "tokenmill.cli", "serve", str(model), "--port", str(port), "--dtype", "float32",

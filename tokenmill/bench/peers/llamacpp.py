@@ -42,12 +42,33 @@ def _steps(root: Path) -> list[SetupStep]:
     ]
 
 
+_CONVERT_WITH_FALLBACK = """
+import runpy, sys
+script = sys.argv[1]
+sys.path.insert(0, script.rsplit("/", 1)[0])
+from conversion import base
+known = base.TextModel.get_vocab_base_pre
+def pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        return "gpt-2"
+base.TextModel.get_vocab_base_pre = pre
+sys.argv = sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
 def _prepare(root: Path, model: Path, dtype: str) -> Path:
     outtype = GGUF_TYPES[dtype]
     converter = source_dir(root) / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"
 
     def convert(tmp: Path) -> None:
-        command = [str(venv_python(root)), str(converter), "--outtype", outtype, "--outfile", str(tmp), str(model)]
+        args = ["--outtype", outtype, "--outfile", str(tmp), str(model)]
+        # The converter names the tokenizer's pre-tokenizer from a hash of known tokenizers and refuses
+        # others (e.g. a dummy-weights folder with a borrowed tokenizer). The driver sends token ids, so
+        # the pre-tokenizer never runs: fall back to GPT-2's name instead of failing.
+        command = [str(venv_python(root)), "-c", _CONVERT_WITH_FALLBACK, str(converter), *args]
         proc = subprocess.run(command, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"GGUF conversion failed: {' '.join(command)}\n{proc.stderr[-3000:]}")
