@@ -100,7 +100,7 @@ class AsyncEngine:
         self._add_seq = itertools.count(1)
         # Adds the engine has not yet counted in a snapshot: (seq, requests, tokens).
         self._unacked: collections.deque[tuple[int, int, int]] = collections.deque()
-        self.num_blocks = self.client.num_blocks
+        self.num_blocks = self.client.limits.num_blocks
         self.snapshot = EngineSnapshot(0, 0, 0, 0.0, self.num_blocks, 0, 0, 0, 0, 0)
         self._last_event = time.monotonic()  # when the engine last reported, for stall detection
 

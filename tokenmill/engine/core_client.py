@@ -42,8 +42,7 @@ _START_TIMEOUT_S = 1800.0
 
 
 class CoreClient(Protocol):
-    limits: AdmissionLimits
-    num_blocks: int
+    limits: AdmissionLimits  # includes the KV cache's block count
 
     def start(self, on_step: OnStep, on_dead: OnDead) -> None:
         """Start the loop; call inside the running event loop that gets the callbacks."""
@@ -61,7 +60,6 @@ class ThreadCoreClient:
     def __init__(self, config: EngineConfig, source: Any) -> None:
         self.core = EngineCore(config, source)
         self.limits = self.core.scheduler.limits
-        self.num_blocks = self.core.num_blocks
         self._commands: queue.Queue[Command] = queue.Queue()
         self._thread: threading.Thread | None = None
 
@@ -126,7 +124,6 @@ class ProcessCoreClient:
         commands_in.close()
         events_out.close()
         self.limits = AdmissionLimits(*self._wait_ready())
-        self.num_blocks = self.limits.num_blocks
         self._children: dict[str, Request] = {}  # this side's copies, to fill in their core timings
         self._outbox: queue.Queue[bytes | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write, name="tokenmill-engine-writer", daemon=True)
