@@ -39,7 +39,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduling-policy", default=d.scheduling_policy, help="fcfs | priority")
     parser.add_argument("--quantization", default=d.quantization,
                         help="int8: per-channel int8 weights quantized at load (default: none)")
-    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: never capture CUDA graphs")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run every layer from Python: no CUDA graphs, no fused CPU decode stack")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

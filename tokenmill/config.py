@@ -69,7 +69,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: str = "cpu"
     attention_backend: str = "auto"  # "auto" | "torch_ref" | "cpu"
-    enforce_eager: bool = False  # True: never capture CUDA graphs
+    enforce_eager: bool = False  # True: no CUDA graphs, no fused CPU decode stack
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -93,7 +93,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     scheduling_policy: str = "fcfs"
     quantization: str | None = None  # "int8": per-channel int8 weights, quantized at load
-    enforce_eager: bool = False  # CUDA: run every step eagerly, without CUDA graphs
+    enforce_eager: bool = False  # every step layer by layer from Python: no CUDA graphs, no fused CPU decode
 
     def create_engine_config(self) -> tuple[EngineConfig, Any]:
         """Returns the frozen config and the resolved model source (folder, tokenizer, eos ids)."""

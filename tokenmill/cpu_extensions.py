@@ -2,11 +2,15 @@
 (in TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default).
 
     paged_decode: decode attention over the paged KV cache (attention/csrc/paged_decode.cpp)
-    cpu_ops:      fused add+RMSNorm, SiLU-and-mul, in-place rotary (models/layers/csrc/cpu_ops.cpp)"""
+    cpu_ops:      fused add+RMSNorm, SiLU-and-mul, in-place rotary (models/layers/csrc/cpu_ops.cpp)
+    decode_stack: every decoder layer of a decode step in one call (models/csrc/decode_stack.cpp)
+
+The kernels themselves are headers in tokenmill/csrc/, shared by these modules."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -19,7 +23,9 @@ _ROOT = Path(__file__).parent
 SOURCES = {
     "paged_decode": _ROOT / "attention" / "csrc" / "paged_decode.cpp",
     "cpu_ops": _ROOT / "models" / "layers" / "csrc" / "cpu_ops.cpp",
+    "decode_stack": _ROOT / "models" / "csrc" / "decode_stack.cpp",
 }
+HEADERS = _ROOT / "csrc"
 # A build takes about a minute; a lock file older than this was left by a build that was killed.
 _STALE_LOCK_S = 900.0
 
@@ -38,14 +44,23 @@ def load(name: str) -> ModuleType | None:
             extra_cflags=[
                 "-O3", "-march=native", "-fopenmp",
                 "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+                headers_flag(),
             ],
             extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(_ROOT / "csrc")],
+            extra_include_paths=[str(HEADERS)],
             verbose=False,
         )
     except Exception as exc:  # no compiler or ninja: fall back to PyTorch ops
         logger.warning("could not build the C++ kernel %r (%s); using PyTorch ops instead", name, exc)
         return None
+
+
+@functools.cache
+def headers_flag() -> str:
+    """A define carrying a digest of our kernel headers: torch rebuilds a cached extension when its
+    sources or flags change, not its headers, so a changed header must change the flags."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(HEADERS.glob("*.h")))).hexdigest()[:16]
+    return f"-DTOKENMILL_HEADERS={digest}"
 
 
 def _remove_stale_lock(root: Path, name: str) -> None:

@@ -30,8 +30,8 @@ class LLM:
     Keyword arguments are those of `EngineArgs`: dtype, max_model_len, max_num_seqs,
     max_num_batched_tokens, block_size, num_kv_blocks, kv_cache_memory_gb, gpu_memory_utilization,
     enable_prefix_caching, load_format ("auto" | "safetensors" | "gguf" | "dummy"), seed, device,
-    attention_backend, scheduling_policy ("fcfs" | "priority"), quantization, enforce_eager (CUDA: no
-    CUDA graphs)."""
+    attention_backend, scheduling_policy ("fcfs" | "priority"), quantization, enforce_eager (every
+    layer from Python: no CUDA graphs, no fused CPU decode stack)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.config, source = EngineArgs(model=model, **kwargs).create_engine_config()

@@ -5,7 +5,7 @@ The forward takes a flat batch: every scheduled token of every request in one ro
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -135,6 +135,8 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(hf_config.hidden_size, hf_config.vocab_size)
         self.rotary = RotaryEmbedding(head_dim_of(hf_config), max_position, rope_parameters(hf_config))
+        # All layers of a decode step in one C++ call, where the model supports it (set by the runner).
+        self.fused_decode: Callable[..., torch.Tensor] | None = None
 
     def forward(
         self,
@@ -145,6 +147,8 @@ class LlamaForCausalLM(nn.Module):
         """Returns the final hidden states, [num_tokens, hidden_size]."""
         hidden = self.embed_tokens(input_ids)
         rotary = self.rotary(positions)
+        if self.fused_decode is not None and meta.is_all_decode:
+            return self.fused_decode(hidden, rotary, meta)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rotary, meta, self.backend)

@@ -26,14 +26,14 @@ class Bf16Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         pad = (-self.out_features) % PANEL
-        self.register_buffer("packed", pack_panels(weight.detach().to(torch.bfloat16)))  # [P, in, 16]
+        self.register_buffer("packed", pack_panels(weight.detach().to(torch.bfloat16), interleave=True))  # [P, in, 16]
         self.register_buffer("ones", torch.ones(self.out_features + pad))  # the kernel's per-channel scale
         bias = torch.zeros(self.out_features) if bias is None else bias.detach().float()
         self.register_buffer("bias", F.pad(bias, (0, pad)))
 
     def weight_bf16(self) -> torch.Tensor:
         """The weight as bf16 [out, in]."""
-        return unpack_panels(self.packed, self.out_features)
+        return unpack_panels(self.packed, self.out_features, interleave=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         return torch.ops.tokenmill_quant.packed_linear(x.float().contiguous(), self.packed, self.ones, self.bias,

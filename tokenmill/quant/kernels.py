@@ -8,6 +8,8 @@ import functools
 import logging
 from pathlib import Path
 
+from tokenmill import cpu_extensions
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "packed_gemm.cpp"
@@ -23,8 +25,9 @@ def available() -> bool:
             name="tokenmill_packed_gemm",
             sources=[str(_SOURCE)],
             # -fopenmp: at::parallel_for runs serially in code compiled without it
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", cpu_extensions.headers_flag()],
             extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(cpu_extensions.HEADERS)],  # packed_gemm.h, shared with the decode stack
             is_python_module=False,  # registers a torch op; no pybind11, so it builds in seconds
             verbose=False,
         )

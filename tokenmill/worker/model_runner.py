@@ -9,6 +9,7 @@ import torch
 from tokenmill.attention.backend import get_backend
 from tokenmill.config import EngineConfig
 from tokenmill.loader.model_loader import load_model
+from tokenmill.models.fused_decode import FusedDecode, unsupported_reason
 from tokenmill.models.llama import head_dim_of
 from tokenmill.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.sample.logprobs import compute_topk_logprobs, to_token_logprobs
@@ -40,11 +41,22 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.backend = get_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, folder, self.backend, config.device)
+        self.fused_decode_off_reason = self._enable_fused_decode()
         self.sampler = Sampler()
         self.states: dict[str, RunnerRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CudaGraphRunner | None = None  # set by capture_cuda_graphs
         self.cuda_graph_capture_s: float | None = None
+
+    def _enable_fused_decode(self) -> str | None:
+        """Decode steps run every layer in one C++ call (models/fused_decode.py) unless enforce_eager
+        or the model does not fit it; returns why not, or None."""
+        if self.config.enforce_eager:
+            return "enforce_eager"
+        reason = unsupported_reason(self.model) if self.device.type == "cpu" else "not on CPU"
+        if reason is None:
+            self.model.fused_decode = FusedDecode(self.model)
+        return reason
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One [2, num_blocks, block_size, Hkv, D] tensor per layer, bound to its attention module.

@@ -1,0 +1,79 @@
+"""The fused CPU decode stack (every layer of a decode step in one C++ call) against the same model run
+layer by layer from Python (enforce_eager)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.loader import model_loader
+from tokenmill.quant import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ packed GEMM could not be built here")
+
+# Different lengths, so decode steps batch sequences with different contexts and block counts.
+PROMPTS = [[1, 2, 3, 4], list(range(5, 40)), list(range(100, 117))]
+
+
+def _count_fused_calls(llm: LLM) -> list[int]:
+    """Wraps the model's fused decode; the returned list grows by one per fused step."""
+    model = llm.engine.runner.model
+    fused, calls = model.fused_decode, []
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return fused(*args)
+
+    model.fused_decode = counted
+    return calls
+
+
+@pytest.mark.parametrize("precision", [{"dtype": "bfloat16"}, {"dtype": "bfloat16", "quantization": "int8"}])
+def test_fused_decode_matches_layer_by_layer(
+    tiny_model: Path, precision: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(model_loader, "cpu_has_bf16", lambda: False)  # packed bf16 weights on any CPU
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+    # max_num_batched_tokens 16: later prompts prefill in chunks while earlier ones decode, so some
+    # steps mix prompt and decode rows (layer by layer) and others are all decode (fused).
+    fused = LLM(model=str(tiny_model), num_kv_blocks=64, max_num_batched_tokens=16, **precision)
+    eager = LLM(model=str(tiny_model), num_kv_blocks=64, max_num_batched_tokens=16, enforce_eager=True, **precision)
+    assert eager.engine.runner.fused_decode_off_reason == "enforce_eager"
+    if "qwen3" in tiny_model.name:  # q/k norm: stays on the Python path
+        assert fused.engine.runner.fused_decode_off_reason == "q/k norm (Qwen3) is not fused"
+        return
+    assert fused.engine.runner.fused_decode_off_reason is None
+    calls = _count_fused_calls(fused)
+    got = fused.generate(PROMPTS, params, use_tqdm=False)
+    want = eager.generate(PROMPTS, params, use_tqdm=False)
+    assert len(calls) >= params.max_tokens - 1  # the all-decode steps took the fused path
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for g_step, w_step in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            for token, entry in w_step.items():
+                assert g_step[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
+
+
+def test_fused_decode_needs_packed_weights(llama_model: Path) -> None:
+    """float32 weights are not packed: every step runs layer by layer."""
+    llm = LLM(model=str(llama_model), dtype="float32", num_kv_blocks=64)
+    assert llm.engine.runner.fused_decode_off_reason is not None
+    assert llm.engine.runner.model.fused_decode is None
+
+
+def test_fused_decode_rebinds_a_new_kv_cache(llama_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stack holds the caches it was built with; a reallocated cache must be picked up, not written
+    behind the engine's back."""
+    monkeypatch.setattr(model_loader, "cpu_has_bf16", lambda: False)
+    # No prefix caching: the new cache holds none of the old blocks.
+    llm = LLM(model=str(llama_model), dtype="bfloat16", num_kv_blocks=64, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first = llm.generate(PROMPTS, params, use_tqdm=False)
+    runner = llm.engine.runner
+    runner.allocate_kv_cache(runner.kv_caches[0].shape[1])  # fresh zeroed caches, same size
+    again = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    assert runner.model.fused_decode._caches[0] is runner.kv_caches[0]

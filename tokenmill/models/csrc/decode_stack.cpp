@@ -1,0 +1,108 @@
+// Every decoder layer of a CPU decode step (one new token per sequence) in one call from Python.
+//
+// A small model at batch 1 spends ~15 PyTorch calls per layer; issued from Python they cost as much
+// as the weight streaming they wrap. Here the same kernels (packed GEMM, add+RMSNorm, rotary,
+// paged decode attention, SiLU-and-mul) run back to back from C++, on the same weights and cache.
+#include <torch/extension.h>
+
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#include "cpu_ops.h"
+#include "packed_gemm.h"
+#include "paged_decode.h"
+
+namespace tokenmill {
+
+// (packed [P, K, 16] int8 or bf16, scale [P * 16], bias [P * 16], out_features): see packed_gemm.h.
+using PackedLinear = std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t>;
+
+inline at::Tensor linear(const PackedLinear& w, const at::Tensor& x) {
+  return gemm::packed_linear(x, std::get<0>(w), std::get<1>(w), std::get<2>(w), std::get<3>(w));
+}
+
+struct Layer {
+  at::Tensor input_norm, post_attention_norm;  // [hidden]
+  PackedLinear qkv, o, gate_up, down;
+  at::Tensor kv_cache;  // [2, num_blocks, block_size, Hkv, D] float32
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+              at::Tensor final_norm)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+        final_norm_(std::move(final_norm)) {}
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, PackedLinear qkv, PackedLinear o,
+                 PackedLinear gate_up, PackedLinear down, at::Tensor kv_cache) {
+    TORCH_CHECK(kv_cache.scalar_type() == at::kFloat && kv_cache.is_contiguous() && kv_cache.dim() == 5 &&
+                kv_cache.size(3) == num_kv_heads_ && kv_cache.size(4) == head_dim_,
+                "kv_cache: contiguous [2, num_blocks, block_size, Hkv, D] float32");
+    TORCH_CHECK(std::get<3>(qkv) == (num_heads_ + 2 * num_kv_heads_) * head_dim_, "qkv width");
+    layers_.push_back({std::move(input_norm), std::move(post_attention_norm), std::move(qkv), std::move(o),
+                       std::move(gate_up), std::move(down), std::move(kv_cache)});
+  }
+
+  // hidden: [B, hidden] float32 embeddings; cos, sin: [B, D / 2]; slot_mapping: [B] int64;
+  // block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (context length including the new token).
+  // Returns the final normed hidden states, [B, hidden].
+  at::Tensor forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens) const {
+    TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat, "hidden: [B, hidden] float32");
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == hidden.size(0),
+                "slot_mapping: [B] int64");
+    const int64_t batch = hidden.size(0), q_size = num_heads_ * head_dim_;
+    at::Tensor x = hidden.contiguous().clone();  // the normed activations
+    at::Tensor residual = at::zeros_like(x);     // layer 0's norm adds the embeddings into it
+    const at::Tensor slots = slot_mapping.contiguous();
+    for (const Layer& layer : layers_) {
+      ops::add_rms_norm_(x, residual, layer.input_norm, eps_);
+      at::Tensor qkv = linear(layer.qkv, x);  // [B, (Hq + 2 * Hkv) * D]
+      ops::rotary_(qkv, num_heads_ + num_kv_heads_, head_dim_, cos, sin);
+      write_kv(qkv, layer.kv_cache, slots.data_ptr<int64_t>(), q_size);
+      at::Tensor q = qkv.narrow(1, 0, q_size).contiguous().view({batch, num_heads_, head_dim_});
+      at::Tensor attn = attn::paged_decode(q, layer.kv_cache, block_tables, seq_lens, scale_);  // [B, Hq, D]
+      at::Tensor o = linear(layer.o, attn.view({batch, q_size}));
+      ops::add_rms_norm_(o, residual, layer.post_attention_norm, eps_);
+      x = linear(layer.down, ops::silu_and_mul(linear(layer.gate_up, o)));
+    }
+    ops::add_rms_norm_(x, residual, final_norm_, eps_);
+    return x;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  // Copy each row's k and v heads (after rotary) into its cache slot.
+  void write_kv(const at::Tensor& qkv, const at::Tensor& kv_cache, const int64_t* slots, int64_t q_size) const {
+    const int64_t kv_size = num_kv_heads_ * head_dim_;
+    const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+    float* k_cache = kv_cache.data_ptr<float>();
+    float* v_cache = k_cache + num_slots * kv_size;
+    const float* rows = qkv.data_ptr<float>();
+    for (int64_t b = 0; b < qkv.size(0); ++b) {
+      TORCH_CHECK(slots[b] >= 0 && slots[b] < num_slots, "cache slot ", slots[b], " out of range");
+      const float* row = rows + b * qkv.stride(0);
+      std::memcpy(k_cache + slots[b] * kv_size, row + q_size, kv_size * sizeof(float));
+      std::memcpy(v_cache + slots[b] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
+    }
+  }
+
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+  at::Tensor final_norm_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace tokenmill
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<tokenmill::DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, at::Tensor>())
+      .def("add_layer", &tokenmill::DecodeStack::add_layer)
+      .def("forward", &tokenmill::DecodeStack::forward)
+      .def_property_readonly("num_layers", &tokenmill::DecodeStack::num_layers);
+}

@@ -1,0 +1,86 @@
+"""Every decoder layer of a CPU decode step in one C++ call (models/csrc/decode_stack.cpp).
+
+A decode step of a small model at batch 1 issues ~15 PyTorch calls per layer; from Python they cost
+about as much as the weight streaming they wrap. The C++ stack runs the same kernels on the same
+weights and KV cache, so the numbers match the layer-by-layer path (tests/unit/test_fused_decode.py).
+It covers the common case: packed weights (bf16 or int8) on CPU, float32 activations and cache, the
+C++ paged-decode attention, no q/k norm (Qwen3 keeps the Python path). Steps with any prompt token
+run layer by layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill import cpu_extensions
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.quant.bf16 import Bf16Linear
+from tokenmill.quant.int8 import Int8Linear
+
+
+def _packed(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+    """(packed weight, scale, bias, out_features) of a layer our packed GEMM runs, else None."""
+    if isinstance(layer, Bf16Linear):
+        return layer.packed, layer.ones, layer.bias, layer.out_features
+    if isinstance(layer, Int8Linear) and layer.kernel == "cpu" and layer.bias is not None:
+        return layer.qweight, layer.scale, layer.bias, layer.out_features
+    return None
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why `model` cannot use the fused decode stack, or None when it can."""
+    if model.embed_tokens.weight.device.type != "cpu" or model.embed_tokens.weight.dtype != torch.float32:
+        return "not float32 on CPU"
+    if model.backend.name != "cpu":
+        return f"attention backend {model.backend.name!r} is not the C++ CPU one"
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.q_norm is not None:
+            return "q/k norm (Qwen3) is not fused"
+        if any(_packed(m) is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            return "weights are not packed (bf16 or int8 weights on a CPU with the C++ GEMM)"
+    if cpu_extensions.load("decode_stack") is None:
+        return "the C++ decode stack could not be built"
+    return None
+
+
+class FusedDecode:
+    """Built for one model; rebuilt on the next call when the runner binds new KV caches."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._stack: Any = None
+        self._caches: list[torch.Tensor] = []
+
+    def _bind(self, caches: list[torch.Tensor]) -> Any:
+        model = self.model
+        attn0 = model.layers[0].self_attn
+        kernels = cpu_extensions.load("decode_stack")
+        stack = kernels.DecodeStack(
+            attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, model.norm.eps, attn0.scale, model.norm.weight
+        )
+        for layer, cache in zip(model.layers, caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            stack.add_layer(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, _packed(attn.qkv_proj),
+                _packed(attn.o_proj), _packed(mlp.gate_up_proj), _packed(mlp.down_proj), cache,
+            )
+        self._caches = caches
+        return stack
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,  # [num_seqs, hidden] embeddings of each sequence's new token
+        rotary: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [num_seqs, 1, D / 2]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The final normed hidden states, [num_seqs, hidden]."""
+        caches = [layer.self_attn.kv_cache for layer in self.model.layers]
+        if any(c is None for c in caches):
+            raise RuntimeError("the KV cache was not bound to the attention layers")
+        if self._stack is None or any(a is not b for a, b in zip(caches, self._caches)):
+            self._stack = self._bind(caches)
+        cos, sin = rotary
+        return self._stack.forward(hidden, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens)
