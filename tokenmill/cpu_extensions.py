@@ -26,6 +26,12 @@ SOURCES = {
     "decode_stack": _ROOT / "models" / "csrc" / "decode_stack.cpp",
 }
 HEADERS = _ROOT / "csrc"
+# The same flags for every module, so a kernel compiled into two of them rounds the same in both.
+# -fopenmp: at::parallel_for runs serially in code compiled without it.
+CFLAGS = [
+    "-O3", "-march=native", "-fopenmp",
+    "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+]
 # A build takes about a minute; a lock file older than this was left by a build that was killed.
 _STALE_LOCK_S = 900.0
 
@@ -41,11 +47,7 @@ def load(name: str) -> ModuleType | None:
         return cpp_extension.load(
             name=f"tokenmill_{name}",
             sources=[str(SOURCES[name])],
-            extra_cflags=[
-                "-O3", "-march=native", "-fopenmp",
-                "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-                headers_flag(),
-            ],
+            extra_cflags=[*CFLAGS, headers_flag()],
             extra_ldflags=["-fopenmp"],
             extra_include_paths=[str(HEADERS)],
             verbose=False,

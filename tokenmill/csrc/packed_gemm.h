@@ -1,12 +1,17 @@
 // Weight-only GEMM over narrow packed weights for CPUs: y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] + bias[n].
 //
-// The weights are int8 (per-channel scale) or bf16 (scale 1): activations stay float32, and the
-// weights are widened to float32 in registers as they stream in, so decode, which is bound by
-// reading the weights, moves 1/4 (int8) or 1/2 (bf16) of the bytes of fp32 weights.
-// Weights are packed once into panels of 16 output channels, k-major: [num_panels, K, 16], so one
-// k step reads 16 contiguous elements and feeds two 8-wide FMA vectors per activation row.
-// bf16 panels interleave their channels [0, 8, 1, 9, ..., 7, 15] (quant/panels.py): one 32-byte
-// load then splits into channels 0-7 and 8-15 with a shift and a mask.
+// The weights are bf16 (scale 1) or int8 (per-channel scale), packed once into panels of 16 output
+// channels, k-major, so decode, which is bound by reading the weights, moves 1/2 (bf16) or 1/4 (int8)
+// of the bytes of fp32 weights, in long sequential streams.
+// - bf16 panels: [P, K, 16] with the channels of each k interleaved [0, 8, 1, 9, ..., 7, 15]: one
+//   32-byte load splits into channels 0-7 and 8-15 (float32) with one shift and one mask, feeding
+//   FMAs against float32 activations.
+// - int8 panels: [P, K/2, 16, 2], k pairs side by side per channel (K padded to even): one 32-byte
+//   load sign-extends into two vectors of (k, k+1) int16 pairs, and vpmaddwd multiplies each pair by
+//   the row's (x[k], x[k+1]) and adds them, 16 multiply-adds per instruction with no conversion of
+//   the weights to float. For that, activation rows are quantized to int16 per row (scale
+//   max|x| / 32767: an error of at most 1.5e-5 of the row's largest value, far below the int8
+//   weights' own). From kPrewidenRows rows on, both kinds are widened to float32 panels instead.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -15,6 +20,8 @@
 #include <ATen/ops/addmm.h>
 
 #include <algorithm>
+#include <cmath>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -32,30 +39,22 @@ constexpr int64_t kRowBlock = 96;  // activation rows kept hot (L2) while all pa
 constexpr int64_t kPrewidenRows = 16;  // from this many rows on, widen each panel once per row block
 constexpr int64_t kDequantizeRows = 128;  // from this many rows on, a dense float32 GEMM (see dense_linear)
 
-// bf16 is the top half of a float32: widening is a 16-bit shift.
-inline float to_float(int8_t w) { return static_cast<float>(w); }
-inline float to_float(uint16_t w) {
-  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+constexpr int64_t kFlushPairs = 128;  // int32 sums gain <= 2 * 127 * 32767 per k pair: flush well before 2^31
+
+// Element (k, channel c) of a panel, as float32.
+inline float weight_at(const uint16_t* panel, int64_t k, int64_t c) {  // bf16 is a float32's top half
+  const uint32_t bits = static_cast<uint32_t>(panel[k * kPanel + (c < 8 ? 2 * c : 2 * (c - 8) + 1)]) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
-
-// The channel that packed position j (0..15) of a panel holds.
-inline int64_t channel_of(int64_t j, const int8_t*) { return j; }
-inline int64_t channel_of(int64_t j, const float*) { return j; }
-inline int64_t channel_of(int64_t j, const uint16_t*) { return (j % 2) * (kPanel / 2) + j / 2; }
+inline float weight_at(const int8_t* panel, int64_t k, int64_t c) {
+  return static_cast<float>(panel[(k / 2) * 2 * kPanel + 2 * c + (k % 2)]);
+}
+inline float weight_at(const float* panel, int64_t k, int64_t c) { return panel[k * kPanel + c]; }  // widened
 
 #ifdef TM_AVX2
-inline __m256 widen8(const int8_t* w) {  // 8 int8 -> 8 float32
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
-}
-
 // One k step of a panel -> channels 0-7 and 8-15 as float32.
-inline void widen16(const int8_t* w, __m256& lo, __m256& hi) {
-  lo = widen8(w);
-  hi = widen8(w + 8);
-}
 inline void widen16(const uint16_t* w, __m256& lo, __m256& hi) {  // interleaved: even positions are 0-7
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
   lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -104,10 +103,12 @@ inline void tile(const float* x, int64_t ldx, const W* panel, int64_t K, __m256 
   }
 }
 
-// y[0:num_cols] = acc * scale + bias for one activation row of a panel.
-inline void store_row(const __m256 (&acc)[2], const float* scale, const float* bias, float* y, int64_t num_cols) {
-  const __m256 r0 = _mm256_fmadd_ps(acc[0], _mm256_loadu_ps(scale), _mm256_loadu_ps(bias));
-  const __m256 r1 = _mm256_fmadd_ps(acc[1], _mm256_loadu_ps(scale + 8), _mm256_loadu_ps(bias + 8));
+// y[0:num_cols] = acc * row_scale * scale + bias for one activation row of a panel.
+inline void store_row(const __m256 (&acc)[2], float row_scale, const float* scale, const float* bias, float* y,
+                      int64_t num_cols) {
+  const __m256 rs = _mm256_set1_ps(row_scale);
+  const __m256 r0 = _mm256_fmadd_ps(_mm256_mul_ps(acc[0], rs), _mm256_loadu_ps(scale), _mm256_loadu_ps(bias));
+  const __m256 r1 = _mm256_fmadd_ps(_mm256_mul_ps(acc[1], rs), _mm256_loadu_ps(scale + 8), _mm256_loadu_ps(bias + 8));
   if (num_cols == kPanel) {
     _mm256_storeu_ps(y, r0);
     _mm256_storeu_ps(y + 8, r1);
@@ -124,7 +125,7 @@ void rows(const float* x, int64_t ldx, const W* panel, int64_t K, const float* s
           float* y, int64_t ldy, int64_t num_cols) {
   __m256 out[MR][2];
   tile<MR, U, W>(x, ldx, panel, K, out);
-  for (int i = 0; i < MR; ++i) store_row(out[i], scale, bias, y + i * ldy, num_cols);
+  for (int i = 0; i < MR; ++i) store_row(out[i], 1.0f, scale, bias, y + i * ldy, num_cols);
 }
 
 // One activation row against two panels at once (each broadcast of x feeds both).
@@ -172,11 +173,113 @@ void gemv_two_streams(const float* x, const W* wp, int64_t K, int64_t N, int64_t
     if (pb < end) {
       __m256 out[2][2];
       tile_pair(x, wp + pa * K * kPanel, wp + pb * K * kPanel, K, out);
-      store_row(out[0], scale + pa * kPanel, bias + pa * kPanel, y + pa * kPanel, std::min(kPanel, N - pa * kPanel));
-      store_row(out[1], scale + pb * kPanel, bias + pb * kPanel, y + pb * kPanel, std::min(kPanel, N - pb * kPanel));
+      store_row(out[0], 1.0f, scale + pa * kPanel, bias + pa * kPanel, y + pa * kPanel, std::min(kPanel, N - pa * kPanel));
+      store_row(out[1], 1.0f, scale + pb * kPanel, bias + pb * kPanel, y + pb * kPanel, std::min(kPanel, N - pb * kPanel));
     } else {
       rows<1, 4, W>(x, K, wp + pa * K * kPanel, K, scale + pa * kPanel, bias + pa * kPanel, y + pa * kPanel, 0,
                     std::min(kPanel, N - pa * kPanel));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- int8 weights x int16 activations
+// Activation rows quantized to int16 (see the top of this file): values [M, KP] zero padded, a scale per row.
+struct Int16Rows {
+  std::vector<int16_t> values;
+  std::vector<float> scales;
+};
+
+inline Int16Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t KP) {
+  Int16Rows q{std::vector<int16_t>(M * KP, 0), std::vector<float>(M, 1.0f)};
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+    if (!(amax > 0.0f)) continue;  // an all-zero row stays zero
+    q.scales[m] = amax / 32767.0f;
+    const float inv = 32767.0f / amax;
+    for (int64_t k = 0; k < K; ++k) q.values[m * KP + k] = static_cast<int16_t>(std::nearbyint(row[k] * inv));
+  }
+  return q;
+}
+
+// NP panels (two: two sequential streams at batch 1) x MR rows over all k pairs. The int32 sums are
+// moved to float32 every kFlushPairs pairs, before they could overflow.
+template <int NP, int MR>
+inline void tile_i16(const int16_t* x, int64_t ldx, const int8_t* const (&panels)[NP], int64_t pairs,
+                     __m256 (&out)[NP][MR][2]) {
+  for (int p = 0; p < NP; ++p)
+    for (int i = 0; i < MR; ++i) out[p][i][0] = out[p][i][1] = _mm256_setzero_ps();
+  for (int64_t t0 = 0; t0 < pairs; t0 += kFlushPairs) {
+    const int64_t t1 = std::min(pairs, t0 + kFlushPairs);
+    __m256i acc[NP][MR][2];
+    for (int p = 0; p < NP; ++p)
+      for (int i = 0; i < MR; ++i) acc[p][i][0] = acc[p][i][1] = _mm256_setzero_si256();
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int p = 0; p < NP; ++p) {
+        const int8_t* w = panels[p] + t * 2 * kPanel;
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));  // 0-7
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kPanel)));
+        for (int i = 0; i < MR; ++i) {
+          int32_t pair;  // (x[2t], x[2t + 1]) as one 32-bit lane
+          std::memcpy(&pair, x + i * ldx + 2 * t, sizeof pair);
+          const __m256i xv = _mm256_set1_epi32(pair);
+          acc[p][i][0] = _mm256_add_epi32(acc[p][i][0], _mm256_madd_epi16(w0, xv));
+          acc[p][i][1] = _mm256_add_epi32(acc[p][i][1], _mm256_madd_epi16(w1, xv));
+        }
+      }
+    }
+    for (int p = 0; p < NP; ++p)
+      for (int i = 0; i < MR; ++i)
+        for (int h = 0; h < 2; ++h) out[p][i][h] = _mm256_add_ps(out[p][i][h], _mm256_cvtepi32_ps(acc[p][i][h]));
+  }
+}
+
+// Rows [m, m + MR) of one panel.
+template <int MR>
+void int8_rows(const Int16Rows& q, int64_t KP, int64_t m, const int8_t* panel, const float* scale,
+               const float* bias, float* y, int64_t ldy, int64_t num_cols) {
+  __m256 out[1][MR][2];
+  const int8_t* const panels[1] = {panel};
+  tile_i16<1, MR>(q.values.data() + m * KP, KP, panels, KP / 2, out);
+  for (int i = 0; i < MR; ++i) store_row(out[0][i], q.scales[m + i], scale, bias, y + i * ldy, num_cols);
+}
+
+// Fewer than kPrewidenRows rows of int8 weights, panels [begin, end).
+inline void int8_small(const Int16Rows& q, int64_t M, const int8_t* wp, int64_t KP, int64_t N, int64_t begin,
+                       int64_t end, const float* scale, const float* bias, float* y) {
+  const auto cols = [&](int64_t p) { return std::min(kPanel, N - p * kPanel); };
+  if (M == 1) {  // two panels side by side: two sequential streams (see gemv_two_streams)
+    const int64_t half = (end - begin + 1) / 2;
+    for (int64_t j = 0; j < half; ++j) {
+      const int64_t pa = begin + j, pb = begin + half + j;
+      if (pb >= end) {
+        int8_rows<1>(q, KP, 0, wp + pa * KP * kPanel, scale + pa * kPanel, bias + pa * kPanel, y + pa * kPanel, N,
+                     cols(pa));
+        continue;
+      }
+      __m256 out[2][1][2];
+      const int8_t* const panels[2] = {wp + pa * KP * kPanel, wp + pb * KP * kPanel};
+      tile_i16<2, 1>(q.values.data(), KP, panels, KP / 2, out);
+      store_row(out[0][0], q.scales[0], scale + pa * kPanel, bias + pa * kPanel, y + pa * kPanel, cols(pa));
+      store_row(out[1][0], q.scales[0], scale + pb * kPanel, bias + pb * kPanel, y + pb * kPanel, cols(pb));
+    }
+    return;
+  }
+  for (int64_t p = begin; p < end; ++p) {
+    const int8_t* panel = wp + p * KP * kPanel;
+    const float* sp = scale + p * kPanel;
+    const float* bp = bias + p * kPanel;
+    for (int64_t m = 0; m < M; m += kRows) {
+      float* yp = y + m * N + p * kPanel;
+      switch (std::min(kRows, M - m)) {
+        case 6: int8_rows<6>(q, KP, m, panel, sp, bp, yp, N, cols(p)); break;
+        case 5: int8_rows<5>(q, KP, m, panel, sp, bp, yp, N, cols(p)); break;
+        case 4: int8_rows<4>(q, KP, m, panel, sp, bp, yp, N, cols(p)); break;
+        case 3: int8_rows<3>(q, KP, m, panel, sp, bp, yp, N, cols(p)); break;
+        case 2: int8_rows<2>(q, KP, m, panel, sp, bp, yp, N, cols(p)); break;
+        default: int8_rows<1>(q, KP, m, panel, sp, bp, yp, N, cols(p));
+      }
     }
   }
 }
@@ -189,8 +292,7 @@ void rows_scalar(const float* x, int64_t ldx, int64_t mr, const W* panel, int64_
   for (int64_t i = 0; i < mr; ++i) {
     float acc[kPanel] = {0};
     for (int64_t k = 0; k < K; ++k)
-      for (int64_t j = 0; j < kPanel; ++j)
-        acc[channel_of(j, panel)] += x[i * ldx + k] * to_float(panel[k * kPanel + j]);
+      for (int64_t c = 0; c < kPanel; ++c) acc[c] += x[i * ldx + k] * weight_at(panel, k, c);
     for (int64_t j = 0; j < num_cols; ++j) y[i * ldy + j] = acc[j] * scale[j] + bias[j];
   }
 }
@@ -199,13 +301,17 @@ template <typename W>
 void panel_rows(const float* x, int64_t ldx, int64_t mr, const W* panel, int64_t K, const float* scale,
                 const float* bias, float* y, int64_t ldy, int64_t num_cols) {
 #ifdef TM_AVX2
-  switch (mr) {
-    case 6: return rows<6, 1, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
-    case 5: return rows<5, 1, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
-    case 4: return rows<4, 1, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
-    case 3: return rows<3, 2, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
-    case 2: return rows<2, 2, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
-    default: return rows<1, 8, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+  if constexpr (std::is_same_v<W, int8_t>) {  // unused: small int8 GEMMs take int8_small
+    rows_scalar(x, ldx, mr, panel, K, scale, bias, y, ldy, num_cols);
+  } else {
+    switch (mr) {
+      case 6: return rows<6, 1, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+      case 5: return rows<5, 1, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+      case 4: return rows<4, 1, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+      case 3: return rows<3, 2, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+      case 2: return rows<2, 2, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+      default: return rows<1, 4, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+    }
   }
 #else
   rows_scalar(x, ldx, mr, panel, K, scale, bias, y, ldy, num_cols);
@@ -215,8 +321,9 @@ void panel_rows(const float* x, int64_t ldx, int64_t mr, const W* panel, int64_t
 // Prefill-sized batches: the GEMM is compute bound, and the BLAS sgemm beats our register tiles, so
 // widen the weight once to float32 (cheap next to 2*M*N*K flops) and let at::linear run it.
 template <typename W>
-at::Tensor dense_linear(const at::Tensor& x, const W* wp, int64_t P, int64_t K, const at::Tensor& scale,
+at::Tensor dense_linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const at::Tensor& scale,
                         const at::Tensor& bias, int64_t N) {
+  const int64_t K = x.size(1);
   const int64_t NP = P * kPanel;
   at::Tensor wt = at::empty({K, NP}, x.options());  // the weight transposed, [K, N padded]: panels stay contiguous
   const float* sp = scale.data_ptr<float>();
@@ -224,18 +331,35 @@ at::Tensor dense_linear(const at::Tensor& x, const W* wp, int64_t P, int64_t K, 
   at::parallel_for(0, K, 16, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k)
       for (int64_t p = 0; p < P; ++p)
-        for (int64_t j = 0; j < kPanel; ++j)
-          dp[k * NP + p * kPanel + channel_of(j, wp)] =
-              to_float(wp[(p * K + k) * kPanel + j]) * sp[p * kPanel + channel_of(j, wp)];
+        for (int64_t c = 0; c < kPanel; ++c)
+          dp[k * NP + p * kPanel + c] = weight_at(wp + p * KP * kPanel, k, c) * sp[p * kPanel + c];
   });
   return at::addmm(bias.narrow(0, 0, N), x, wt.narrow(1, 0, N));
 }
 
+// A panel's K x 16 weights as float32, in channel order.
 template <typename W>
-at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, const at::Tensor& scale, const at::Tensor& bias,
-                  int64_t N) {
+void widen_panel(const W* panel, int64_t K, float* out) {
+#ifdef TM_AVX2
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    for (int64_t k = 0; k < K; ++k) {
+      __m256 lo, hi;
+      widen16(panel + k * kPanel, lo, hi);
+      _mm256_storeu_ps(out + k * kPanel, lo);
+      _mm256_storeu_ps(out + k * kPanel + 8, hi);
+    }
+    return;
+  }
+#endif
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t c = 0; c < kPanel; ++c) out[k * kPanel + c] = weight_at(panel, k, c);
+}
+
+template <typename W>
+at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const at::Tensor& scale,
+                  const at::Tensor& bias, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
-  if (M >= kDequantizeRows) return dense_linear(x, wp, P, K, scale, bias, N);
+  if (M >= kDequantizeRows) return dense_linear(x, wp, P, KP, scale, bias, N);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* sp = scale.data_ptr<float>();
@@ -244,19 +368,24 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, const at::Tensor&
   // With many rows, widening the weights inside every tile costs more than the FMAs it feeds: each
   // panel is widened once per row block into a float buffer (L2-resident) that the tiles read.
   const bool prewiden = M >= kPrewidenRows;
+#ifdef TM_AVX2
+  if constexpr (std::is_same_v<W, int8_t>) {  // integer multiply-adds never widen the weights
+    const Int16Rows q = quantize_rows(xp, M, K, KP);
+    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) { int8_small(q, M, wp, KP, N, begin, end, sp, bp, yp); });
+    return y;
+  } else if (M == 1) {
+    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) { gemv_two_streams(xp, wp, K, N, begin, end, sp, bp, yp); });
+    return y;
+  }
+#endif
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const int64_t m1 = std::min(M, m0 + kRowBlock);
     at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-#ifdef TM_AVX2
-      if (M == 1) return gemv_two_streams(xp, wp, K, N, begin, end, sp, bp, yp);
-#endif
       std::vector<float> widened(prewiden ? K * kPanel : 0);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanel, num_cols = std::min(kPanel, N - n0);
-        const W* panel = wp + p * K * kPanel;
-        if (prewiden)
-          for (int64_t i = 0; i < K * kPanel; i += kPanel)  // in channel order
-            for (int64_t j = 0; j < kPanel; ++j) widened[i + channel_of(j, panel)] = to_float(panel[i + j]);
+        const W* panel = wp + p * KP * kPanel;
+        if (prewiden) widen_panel(panel, K, widened.data());
         for (int64_t m = m0; m < m1; m += kRows) {
           const int64_t mr = std::min(kRows, m1 - m);
           if (prewiden)
@@ -270,19 +399,20 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, const at::Tensor&
   return y;
 }
 
-// x: [M, K] float32 contiguous; packed: [P, K, 16] int8 or bf16; scale, bias: [P * 16] float32
+// x: [M, K] float32 contiguous; packed: [P, K, 16] bf16 or [P, K + K % 2, 16] int8 (layouts above); scale, bias: [P * 16] float32
 // (scale all ones for bf16) -> [M, N] float32
 inline at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                                 const at::Tensor& bias, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [M, K] float32");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
               "packed: contiguous [P, K, 16]");
-  const int64_t K = x.size(1), P = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K, "x has ", K, " features, the weight ", packed.size(1));
+  const int64_t K = x.size(1), P = packed.size(0), KP = packed.size(1);
+  const bool int8 = packed.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 || packed.scalar_type() == at::kBFloat16, "packed weights must be int8 or bfloat16");
+  TORCH_CHECK(KP == (int8 ? K + K % 2 : K), "x has ", K, " features, the weight ", KP);
   TORCH_CHECK(P * kPanel >= N && scale.numel() == P * kPanel && bias.numel() == P * kPanel, "bad scale/bias");
-  if (packed.scalar_type() == at::kChar) return linear(x, packed.data_ptr<int8_t>(), P, scale, bias, N);
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "packed weights must be int8 or bfloat16");
-  return linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, scale, bias, N);
+  if (int8) return linear(x, packed.data_ptr<int8_t>(), P, KP, scale, bias, N);
+  return linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, KP, scale, bias, N);
 }
 
 }  // namespace tokenmill::gemm

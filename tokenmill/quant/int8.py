@@ -1,15 +1,16 @@
 """Per-output-channel symmetric int8 weights, quantized at load time from a float checkpoint.
 
-Weight-only: activations stay in float32, so the only error is the weights' rounding (at most half a
-step, scale/2, per element). On CPU the GEMM is our AVX2 kernel (csrc/packed_gemm.cpp), which widens
-int8 weights to float32 in registers: decode reads a quarter of the bytes of fp32 weights (about 3x
-faster linear layers at 1 token), and prefill runs at fp32 FMA speed.
+On CPU the GEMM is our AVX2 kernel (csrc/packed_gemm.h): up to 127 rows it multiplies the int8
+weights by the activation rows quantized to int16 (one scale per row, max|x| / 32767) with integer
+multiply-adds, so the weights are never widened to float; decode reads a quarter of the bytes of fp32
+weights. From 128 rows (prefill) the weights are dequantized once and the GEMM runs in float32.
 
-Why not quantize activations too: fbgemm's dynamic int8 linear (`quantized::linear_dynamic`, 7-bit
-activations on AVX2) was faster at 8-256 tokens, but on SmolLM2 its per-tensor activation scale cost
-+177% perplexity and a per-token scale +8% (+4.6% even at 8 bits), from outlier channels. Only
-per-32-element activation scales (llama.cpp's q8_0) kept perplexity, and without VNNI their integer
-dot products are no cheaper than fp32 FMAs here."""
+The int16 activations add an error of at most 1.5e-5 of a row's largest value, far below the
+weights' own rounding (half a step, scale/2). Why not int8 activations: fbgemm's dynamic int8 linear
+(`quantized::linear_dynamic`, 7-bit activations on AVX2) was faster at 8-256 tokens, but on SmolLM2
+its per-tensor activation scale cost +177% perplexity and a per-token scale +8% (+4.6% even at 8
+bits), from outlier channels. Only per-32-element activation scales (llama.cpp's q8_0) kept perplexity;
+int16 rows keep it with one scale per row."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.quant import kernels
-from tokenmill.quant.panels import PANEL, pack_panels, unpack_panels
+from tokenmill.quant.panels import PANEL, pack_int8, unpack_int8
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,8 +60,9 @@ class Int8Linear(nn.Module):
         self.kernel = kernel
         pad = (-self.out_features) % PANEL if kernel == "cpu" else 0
         bias = torch.zeros_like(scale) if bias is None and kernel == "cpu" else bias
-        # cpu: [num_panels, in, 16] int8 and padded [num_panels * 16] scale and bias; reference: [out, in]
-        self.register_buffer("qweight", pack_panels(q) if kernel == "cpu" else q)
+        # cpu: [num_panels, in (+1 if odd), 16] int8 (panels.py) and padded [num_panels * 16] scale and
+        # bias; reference: [out, in]
+        self.register_buffer("qweight", pack_int8(q) if kernel == "cpu" else q)
         self.register_buffer("scale", F.pad(scale.float(), (0, pad)))
         self.register_buffer("bias", None if bias is None else F.pad(bias.detach().float(), (0, pad)))
 
@@ -75,7 +77,7 @@ class Int8Linear(nn.Module):
     def int8_weight(self) -> torch.Tensor:
         """The quantized weight as int8 [out, in], whatever the storage layout."""
         if self.kernel == "cpu":
-            return unpack_panels(self.qweight, self.out_features)
+            return unpack_int8(self.qweight, self.out_features, self.in_features)
         return self.qweight
 
     def dequantize(self) -> torch.Tensor:

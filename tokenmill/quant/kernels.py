@@ -24,8 +24,7 @@ def available() -> bool:
         cpp_extension.load(
             name="tokenmill_packed_gemm",
             sources=[str(_SOURCE)],
-            # -fopenmp: at::parallel_for runs serially in code compiled without it
-            extra_cflags=["-O3", "-march=native", "-fopenmp", cpu_extensions.headers_flag()],
+            extra_cflags=[*cpu_extensions.CFLAGS, cpu_extensions.headers_flag()],
             extra_ldflags=["-fopenmp"],
             extra_include_paths=[str(cpu_extensions.HEADERS)],  # packed_gemm.h, shared with the decode stack
             is_python_module=False,  # registers a torch op; no pybind11, so it builds in seconds

@@ -1,8 +1,10 @@
-"""The packed weight layout of the C++ GEMM (csrc/packed_gemm.cpp): panels of 16 output channels.
+"""The packed weight layouts of the C++ GEMM (csrc/packed_gemm.h): panels of 16 output channels, k-major.
 
-bf16 panels store their channels interleaved, [0, 8, 1, 9, ..., 7, 15]: the kernel then splits one
-32-byte load into channels 0-7 (the low halves of its 32-bit words) and 8-15 (the high halves) with
-one shift and one mask, instead of two widening loads."""
+- bf16: [P, K, 16], the 16 channels of each k interleaved [0, 8, 1, 9, ..., 7, 15], so the kernel
+  splits one 32-byte load into channels 0-7 (the low halves of its 32-bit words) and 8-15 (the high
+  halves) with one shift and one mask.
+- int8: [P, K/2, 16, 2] stored as [P, K, 16] (K padded to even): each channel's weights for k and
+  k+1 side by side, the operand order of the kernel's int16 multiply-add (vpmaddwd)."""
 
 from __future__ import annotations
 
@@ -10,22 +12,35 @@ import torch
 import torch.nn.functional as F
 
 PANEL = 16  # output channels per packed panel
-# stored position -> channel, for interleaved panels
+# stored position -> channel, for bf16 panels
 INTERLEAVE = torch.arange(PANEL).view(2, PANEL // 2).t().reshape(-1)
 
 
-def pack_panels(w: torch.Tensor, interleave: bool = False) -> torch.Tensor:
-    """[out, in] -> [ceil(out / 16), in, 16]: 16 output channels side by side for each input feature,
-    zero rows padding the last panel."""
+def _panels(w: torch.Tensor, in_padded: int) -> torch.Tensor:
+    """[out, in] -> [P, 16, in_padded], zero rows and columns padding the last panel and K."""
     out_features, in_features = w.shape
     num_panels = -(-out_features // PANEL)
-    padded = F.pad(w, (0, 0, 0, num_panels * PANEL - out_features)).view(num_panels, PANEL, in_features)
-    if interleave:
-        padded = padded[:, INTERLEAVE]
-    return padded.transpose(1, 2).contiguous()
+    padded = F.pad(w, (0, in_padded - in_features, 0, num_panels * PANEL - out_features))
+    return padded.view(num_panels, PANEL, in_padded)
 
 
-def unpack_panels(packed: torch.Tensor, out_features: int, interleave: bool = False) -> torch.Tensor:
-    if interleave:
-        packed = packed[:, :, torch.argsort(INTERLEAVE)]
-    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """[out, in] bf16 -> [ceil(out / 16), in, 16]."""
+    return _panels(w, w.shape[1])[:, INTERLEAVE].transpose(1, 2).contiguous()
+
+
+def unpack_bf16(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    return packed[:, :, torch.argsort(INTERLEAVE)].transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """[out, in] int8 -> [ceil(out / 16), in + in % 2, 16] holding [P, K/2, 16, 2]."""
+    in_padded = q.shape[1] + q.shape[1] % 2
+    panels = _panels(q, in_padded).view(-1, PANEL, in_padded // 2, 2)
+    return panels.permute(0, 2, 1, 3).reshape(-1, in_padded, PANEL).contiguous()
+
+
+def unpack_int8(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    num_panels, in_padded, _ = packed.shape
+    pairs = packed.view(num_panels, in_padded // 2, PANEL, 2).permute(0, 2, 1, 3)  # [P, 16, K/2, 2]
+    return pairs.reshape(num_panels * PANEL, in_padded)[:out_features, :in_features]

@@ -55,11 +55,14 @@ class DecodeStack {
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == hidden.size(0),
                 "slot_mapping: [B] int64");
     const int64_t batch = hidden.size(0), q_size = num_heads_ * head_dim_;
-    at::Tensor x = hidden.contiguous().clone();  // the normed activations
-    at::Tensor residual = at::zeros_like(x);     // layer 0's norm adds the embeddings into it
+    at::Tensor residual = hidden.contiguous().clone();
+    at::Tensor x;  // the normed activations
     const at::Tensor slots = slot_mapping.contiguous();
     for (const Layer& layer : layers_) {
-      ops::add_rms_norm_(x, residual, layer.input_norm, eps_);
+      if (!x.defined())  // layer 0 has no residual to add: the same op as the layer-by-layer path
+        x = at::rms_norm(residual, {residual.size(1)}, layer.input_norm, eps_);
+      else
+        ops::add_rms_norm_(x, residual, layer.input_norm, eps_);
       at::Tensor qkv = linear(layer.qkv, x);  // [B, (Hq + 2 * Hkv) * D]
       ops::rotary_(qkv, num_heads_ + num_kv_heads_, head_dim_, cos, sin);
       write_kv(qkv, layer.kv_cache, slots.data_ptr<int64_t>(), q_size);
