@@ -11,7 +11,8 @@
 //   the row's (x[k], x[k+1]) and adds them, 16 multiply-adds per instruction with no conversion of
 //   the weights to float. For that, activation rows are quantized to int16 per row (scale
 //   max|x| / 32767: an error of at most 1.5e-5 of the row's largest value, far below the int8
-//   weights' own). From kPrewidenRows rows on, both kinds are widened to float32 panels instead.
+//   weights' own). bf16 panels are widened to float32 once per row block from kPrewidenRows rows on,
+//   and from kDequantizeRows rows on (prefill) both kinds are dequantized for a dense float32 GEMM.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -37,7 +38,7 @@ constexpr int64_t kPanel = 16;  // output channels per panel
 constexpr int64_t kRows = 6;    // activation rows per register tile (12 accumulators)
 constexpr int64_t kRowBlock = 96;  // activation rows kept hot (L2) while all panels stream past
 constexpr int64_t kPrewidenRows = 16;  // from this many rows on, widen each panel once per row block
-constexpr int64_t kDequantizeRows = 128;  // from this many rows on, a dense float32 GEMM (see dense_linear)
+constexpr int64_t kDequantizeRows = 512;  // from this many rows on, a dense float32 GEMM (see dense_linear)
 
 constexpr int64_t kFlushPairs = 128;  // int32 sums gain <= 2 * 127 * 32767 per k pair: flush well before 2^31
 
@@ -70,13 +71,17 @@ inline void widen16(const float* w, __m256& lo, __m256& hi) {  // a panel widene
 template <int MR, int U, typename W>
 inline void tile(const float* x, int64_t ldx, const W* panel, int64_t K, __m256 (&out)[MR][2]) {
   __m256 acc[U][MR][2];
+  #pragma GCC unroll 8
   for (int u = 0; u < U; ++u)
+    #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) acc[u][i][0] = acc[u][i][1] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + U <= K; k += U) {
+    #pragma GCC unroll 8
     for (int u = 0; u < U; ++u) {
       __m256 w0, w1;
       widen16(panel + (k + u) * kPanel, w0, w1);
+      #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k + u);
         acc[u][i][0] = _mm256_fmadd_ps(xv, w0, acc[u][i][0]);
@@ -87,15 +92,18 @@ inline void tile(const float* x, int64_t ldx, const W* panel, int64_t K, __m256 
   for (; k < K; ++k) {
     __m256 w0, w1;
     widen16(panel + k * kPanel, w0, w1);
+    #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);
       acc[0][i][0] = _mm256_fmadd_ps(xv, w0, acc[0][i][0]);
       acc[0][i][1] = _mm256_fmadd_ps(xv, w1, acc[0][i][1]);
     }
   }
+  #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
     out[i][0] = acc[0][i][0];
     out[i][1] = acc[0][i][1];
+    #pragma GCC unroll 8
     for (int u = 1; u < U; ++u) {
       out[i][0] = _mm256_add_ps(out[i][0], acc[u][i][0]);
       out[i][1] = _mm256_add_ps(out[i][1], acc[u][i][1]);
@@ -136,6 +144,7 @@ inline void tile_pair(const float* x, const W* a, const W* b, int64_t K, __m256 
     for (auto& sum : panel) sum[0] = sum[1] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 2 <= K; k += 2) {
+    #pragma GCC unroll 8
     for (int u = 0; u < 2; ++u) {
       const __m256 xv = _mm256_broadcast_ss(x + k + u);
       __m256 w0, w1;
@@ -157,7 +166,9 @@ inline void tile_pair(const float* x, const W* a, const W* b, int64_t K, __m256 
     acc[1][0][0] = _mm256_fmadd_ps(xv, w0, acc[1][0][0]);
     acc[1][0][1] = _mm256_fmadd_ps(xv, w1, acc[1][0][1]);
   }
+  #pragma GCC unroll 8
   for (int p = 0; p < 2; ++p)
+    #pragma GCC unroll 8
     for (int h = 0; h < 2; ++h) out[p][h] = _mm256_add_ps(acc[p][0][h], acc[p][1][h]);
 }
 
@@ -208,18 +219,24 @@ inline Int16Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t KP)
 template <int NP, int MR>
 inline void tile_i16(const int16_t* x, int64_t ldx, const int8_t* const (&panels)[NP], int64_t pairs,
                      __m256 (&out)[NP][MR][2]) {
+  #pragma GCC unroll 8
   for (int p = 0; p < NP; ++p)
+    #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) out[p][i][0] = out[p][i][1] = _mm256_setzero_ps();
   for (int64_t t0 = 0; t0 < pairs; t0 += kFlushPairs) {
     const int64_t t1 = std::min(pairs, t0 + kFlushPairs);
     __m256i acc[NP][MR][2];
+    #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p)
+      #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) acc[p][i][0] = acc[p][i][1] = _mm256_setzero_si256();
     for (int64_t t = t0; t < t1; ++t) {
+      #pragma GCC unroll 8
       for (int p = 0; p < NP; ++p) {
         const int8_t* w = panels[p] + t * 2 * kPanel;
         const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));  // 0-7
         const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kPanel)));
+        #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
           int32_t pair;  // (x[2t], x[2t + 1]) as one 32-bit lane
           std::memcpy(&pair, x + i * ldx + 2 * t, sizeof pair);
@@ -229,8 +246,11 @@ inline void tile_i16(const int16_t* x, int64_t ldx, const int8_t* const (&panels
         }
       }
     }
+    #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p)
+      #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i)
+        #pragma GCC unroll 8
         for (int h = 0; h < 2; ++h) out[p][i][h] = _mm256_add_ps(out[p][i][h], _mm256_cvtepi32_ps(acc[p][i][h]));
   }
 }
@@ -245,7 +265,7 @@ void int8_rows(const Int16Rows& q, int64_t KP, int64_t m, const int8_t* panel, c
   for (int i = 0; i < MR; ++i) store_row(out[0][i], q.scales[m + i], scale, bias, y + i * ldy, num_cols);
 }
 
-// Fewer than kPrewidenRows rows of int8 weights, panels [begin, end).
+// Fewer than kDequantizeRows rows of int8 weights, panels [begin, end).
 inline void int8_small(const Int16Rows& q, int64_t M, const int8_t* wp, int64_t KP, int64_t N, int64_t begin,
                        int64_t end, const float* scale, const float* bias, float* y) {
   const auto cols = [&](int64_t p) { return std::min(kPanel, N - p * kPanel); };
