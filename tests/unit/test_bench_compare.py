@@ -143,8 +143,9 @@ def test_decode_roofline_on_hand_computed_numbers() -> None:
     assert roof.weight_bytes == weight_bytes and roof.kv_bytes_per_step == kv_bytes
     assert roof.memory_bound_tok_s == pytest.approx(64 * 20e9 / (weight_bytes + kv_bytes))  # 899.7
     assert roof.compute_bound_tok_s == pytest.approx(100e9 / (2 * 134_479_872))  # 371.8
-    assert roof.ceiling_tok_s == roof.compute_bound_tok_s and roof.bound == "compute"
     assert roof.peak_compute_tok_s == pytest.approx(150e9 / (2 * 134_479_872))  # 557.7 (prompt + output) tok/s
+    # The compute ceiling is the best GEMM rate measured: 557.7 < 899.7
+    assert roof.ceiling_tok_s == roof.peak_compute_tok_s and roof.bound == "compute"
 
 
 def test_batch_one_decode_is_memory_bound() -> None:
@@ -153,6 +154,15 @@ def test_batch_one_decode_is_memory_bound() -> None:
     roof = decode_roofline(shape, rates, batch=1, avg_context=0, weight_dtype="bfloat16", kv_dtype="bfloat16")
     assert roof.memory_bound_tok_s == pytest.approx(20e9 / (134_479_872 * 2))  # 74.4 tok/s
     assert roof.bound == "memory"
+
+
+def test_a_weight_bound_blas_rate_at_one_row_does_not_lower_the_ceiling() -> None:
+    """At M=1 the BLAS GEMM rate is bound by reading fp32 weights: the compute ceiling is the best rate."""
+    shape = ModelShape.from_hf_config(SMOLLM2)
+    rates = MachineRates(20e9, 13e9, "bfloat16", 1, 2, peak_gemm_flops=150e9)
+    roof = decode_roofline(shape, rates, batch=1, avg_context=0, weight_dtype="bfloat16", kv_dtype="bfloat16")
+    assert roof.compute_bound_tok_s < roof.memory_bound_tok_s  # 48 < 74 tok/s at the M=1 BLAS rate
+    assert roof.ceiling_tok_s == roof.memory_bound_tok_s and roof.bound == "memory"
 
 
 # --- the table ----------------------------------------------------------------------------------------------

@@ -31,7 +31,9 @@ def _count_fused_calls(llm: LLM) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("precision", [{"dtype": "bfloat16"}, {"dtype": "bfloat16", "quantization": "int8"}])
+@pytest.mark.parametrize(
+    "precision", [{"dtype": "float32"}, {"dtype": "bfloat16"}, {"dtype": "bfloat16", "quantization": "int8"}]
+)
 def test_fused_decode_matches_layer_by_layer(
     tiny_model: Path, precision: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -57,10 +59,10 @@ def test_fused_decode_matches_layer_by_layer(
                 assert g_step[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
 
 
-def test_fused_decode_needs_packed_weights(llama_model: Path) -> None:
-    """float32 weights are not packed: every step runs layer by layer."""
-    llm = LLM(model=str(llama_model), dtype="float32", num_kv_blocks=64)
-    assert llm.engine.runner.fused_decode_off_reason is not None
+def test_fused_decode_off_where_the_model_does_not_fit(llama_model: Path) -> None:
+    """The readable reference attention has no C++ decode kernel: every step runs layer by layer."""
+    llm = LLM(model=str(llama_model), dtype="float32", num_kv_blocks=64, attention_backend="torch_ref")
+    assert llm.engine.runner.fused_decode_off_reason == "attention backend 'torch_ref' is not the C++ CPU one"
     assert llm.engine.runner.model.fused_decode is None
 
 

@@ -3,9 +3,9 @@
 A decode step of a small model at batch 1 issues ~15 PyTorch calls per layer; from Python they cost
 about as much as the weight streaming they wrap. The C++ stack runs the same kernels on the same
 weights and KV cache, so the numbers match the layer-by-layer path (tests/unit/test_fused_decode.py).
-It covers the common case: packed weights (bf16 or int8) on CPU, float32 activations and cache, the
-C++ paged-decode attention, no q/k norm (Qwen3 keeps the Python path). Steps with any prompt token
-run layer by layer."""
+It covers the common case: float32 or packed (bf16, int8) weights on CPU, float32 activations and
+cache, the C++ paged-decode attention, no q/k norm (Qwen3 keeps the Python path). Steps with any
+prompt token run layer by layer."""
 
 from __future__ import annotations
 
@@ -21,11 +21,15 @@ from tokenmill.quant.int8 import Int8Linear
 
 
 def _packed(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
-    """(packed weight, scale, bias, out_features) of a layer our packed GEMM runs, else None."""
+    """(packed weight, scale, bias, out_features) of a layer our packed GEMM runs, or (float32 weight,
+    empty, bias or empty, out_features) of a float32 nn.Linear; else None."""
     if isinstance(layer, Bf16Linear):
         return layer.packed, layer.ones, layer.bias, layer.out_features
     if isinstance(layer, Int8Linear) and layer.kernel == "cpu" and layer.bias is not None:
         return layer.qweight, layer.scale, layer.bias, layer.out_features
+    if isinstance(layer, nn.Linear) and layer.weight.dtype == torch.float32:
+        none = torch.empty(0)
+        return layer.weight, none, none if layer.bias is None else layer.bias, layer.out_features
     return None
 
 
@@ -40,7 +44,7 @@ def unsupported_reason(model: Any) -> str | None:
         if attn.q_norm is not None:
             return "q/k norm (Qwen3) is not fused"
         if any(_packed(m) is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-            return "weights are not packed (bf16 or int8 weights on a CPU with the C++ GEMM)"
+            return "linear layers are neither float32 nor packed for the C++ GEMM"
     if cpu_extensions.load("decode_stack") is None:
         return "the C++ decode stack could not be built"
     return None

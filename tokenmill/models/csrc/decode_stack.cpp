@@ -1,8 +1,9 @@
 // Every decoder layer of a CPU decode step (one new token per sequence) in one call from Python.
 //
 // A small model at batch 1 spends ~15 PyTorch calls per layer; issued from Python they cost as much
-// as the weight streaming they wrap. Here the same kernels (packed GEMM, add+RMSNorm, rotary,
-// paged decode attention, SiLU-and-mul) run back to back from C++, on the same weights and cache.
+// as the weight streaming they wrap. Here the same kernels (packed GEMM or float32 at::linear,
+// add+RMSNorm, rotary, paged decode attention, SiLU-and-mul) run back to back from C++, on the same
+// weights and cache.
 #include <torch/extension.h>
 
 #include <cstring>
@@ -15,11 +16,17 @@
 
 namespace tokenmill {
 
-// (packed [P, K, 16] int8 or bf16, scale [P * 16], bias [P * 16], out_features): see packed_gemm.h.
+// Either packed (packed [P, K, 16] int8 or bf16, scale [P * 16], bias [P * 16], out_features; see
+// packed_gemm.h) or dense float32 (weight [N, K], an empty tensor, bias [N] or empty, N).
 using PackedLinear = std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t>;
 
 inline at::Tensor linear(const PackedLinear& w, const at::Tensor& x) {
-  return gemm::packed_linear(x, std::get<0>(w), std::get<1>(w), std::get<2>(w), std::get<3>(w));
+  const at::Tensor& weight = std::get<0>(w);
+  if (weight.dim() == 2) {  // float32 weights: the same op as the layer-by-layer path (nn.Linear)
+    const at::Tensor& bias = std::get<2>(w);
+    return bias.numel() ? at::linear(x, weight, bias) : at::linear(x, weight);
+  }
+  return gemm::packed_linear(x, weight, std::get<1>(w), std::get<2>(w), std::get<3>(w));
 }
 
 struct Layer {
