@@ -185,8 +185,10 @@ def measure_rates(shape: ModelShape, dtype: str, batch: int, threads: int) -> Ma
         candidates = [dtype, "float32"] if dtype in ("bfloat16", "float16") else [dtype]
         best = max(candidates, key=lambda d: measure_gemm(shape, d, batch, min_seconds=0.1))
         label = dtype if best == dtype else f"{dtype} as float32"
-        return MachineRates(bandwidth, measure_gemm(shape, best, batch), label, batch, threads,
-                            peak_gemm_flops=measure_gemm(shape, best, PEAK_ROWS))
+        # The peak is the better dtype at PEAK_ROWS, chosen again: at one row a 16-bit GEMM can win by
+        # reading half the bytes and still be far slower than float32 at a prefill's rows.
+        peak = max(measure_gemm(shape, d, PEAK_ROWS) for d in candidates)
+        return MachineRates(bandwidth, measure_gemm(shape, best, batch), label, batch, threads, peak_gemm_flops=peak)
     finally:
         torch.set_num_threads(previous)
 
