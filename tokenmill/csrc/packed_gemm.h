@@ -172,25 +172,37 @@ inline void tile_pair(const float* x, const W* a, const W* b, int64_t K, __m256 
     for (int h = 0; h < 2; ++h) out[p][h] = _mm256_add_ps(acc[p][0][h], acc[p][1][h]);
 }
 
-// One activation row (decode at batch 1), panels [begin, end): bound by reading the weights. The
-// range is read as two sequential streams, its first and second half side by side: one stream's
-// prefetcher keeps too few cache-line fetches in flight to reach a core's memory bandwidth.
-template <typename W>
-void gemv_two_streams(const float* x, const W* wp, int64_t K, int64_t N, int64_t begin, int64_t end,
-                      const float* scale, const float* bias, float* y) {
+// One activation row (decode at batch 1) is bound by reading the weights. A thread's panels
+// [begin, end) are read as two sequential streams, its first and second half side by side: one
+// stream's prefetcher keeps too few cache-line fetches in flight to reach a core's memory bandwidth.
+// Calls pair(pa, pb) for panels read together and single(p) for an odd one left over.
+template <typename Pair, typename Single>
+void two_streams(int64_t begin, int64_t end, Pair pair, Single single) {
   const int64_t half = (end - begin + 1) / 2;
   for (int64_t j = 0; j < half; ++j) {
     const int64_t pa = begin + j, pb = begin + half + j;
-    if (pb < end) {
-      __m256 out[2][2];
-      tile_pair(x, wp + pa * K * kPanel, wp + pb * K * kPanel, K, out);
-      store_row(out[0], 1.0f, scale + pa * kPanel, bias + pa * kPanel, y + pa * kPanel, std::min(kPanel, N - pa * kPanel));
-      store_row(out[1], 1.0f, scale + pb * kPanel, bias + pb * kPanel, y + pb * kPanel, std::min(kPanel, N - pb * kPanel));
-    } else {
-      rows<1, 4, W>(x, K, wp + pa * K * kPanel, K, scale + pa * kPanel, bias + pa * kPanel, y + pa * kPanel, 0,
-                    std::min(kPanel, N - pa * kPanel));
-    }
+    if (pb < end)
+      pair(pa, pb);
+    else
+      single(pa);
   }
+}
+
+template <typename W>
+void gemv_two_streams(const float* x, const W* wp, int64_t K, int64_t N, int64_t begin, int64_t end,
+                      const float* scale, const float* bias, float* y) {
+  const auto cols = [&](int64_t p) { return std::min(kPanel, N - p * kPanel); };
+  two_streams(
+      begin, end,
+      [&](int64_t pa, int64_t pb) {
+        __m256 out[2][2];
+        tile_pair(x, wp + pa * K * kPanel, wp + pb * K * kPanel, K, out);
+        store_row(out[0], 1.0f, scale + pa * kPanel, bias + pa * kPanel, y + pa * kPanel, cols(pa));
+        store_row(out[1], 1.0f, scale + pb * kPanel, bias + pb * kPanel, y + pb * kPanel, cols(pb));
+      },
+      [&](int64_t p) {
+        rows<1, 4, W>(x, K, wp + p * K * kPanel, K, scale + p * kPanel, bias + p * kPanel, y + p * kPanel, 0, cols(p));
+      });
 }
 
 // ---------------------------------------------------------------- int8 weights x int16 activations
@@ -269,21 +281,20 @@ void int8_rows(const Int16Rows& q, int64_t KP, int64_t m, const int8_t* panel, c
 inline void int8_small(const Int16Rows& q, int64_t M, const int8_t* wp, int64_t KP, int64_t N, int64_t begin,
                        int64_t end, const float* scale, const float* bias, float* y) {
   const auto cols = [&](int64_t p) { return std::min(kPanel, N - p * kPanel); };
-  if (M == 1) {  // two panels side by side: two sequential streams (see gemv_two_streams)
-    const int64_t half = (end - begin + 1) / 2;
-    for (int64_t j = 0; j < half; ++j) {
-      const int64_t pa = begin + j, pb = begin + half + j;
-      if (pb >= end) {
-        int8_rows<1>(q, KP, 0, wp + pa * KP * kPanel, scale + pa * kPanel, bias + pa * kPanel, y + pa * kPanel, N,
-                     cols(pa));
-        continue;
-      }
-      __m256 out[2][1][2];
-      const int8_t* const panels[2] = {wp + pa * KP * kPanel, wp + pb * KP * kPanel};
-      tile_i16<2, 1>(q.values.data(), KP, panels, KP / 2, out);
-      store_row(out[0][0], q.scales[0], scale + pa * kPanel, bias + pa * kPanel, y + pa * kPanel, cols(pa));
-      store_row(out[1][0], q.scales[0], scale + pb * kPanel, bias + pb * kPanel, y + pb * kPanel, cols(pb));
-    }
+  if (M == 1) {  // two panels side by side: two sequential streams (see two_streams)
+    two_streams(
+        begin, end,
+        [&](int64_t pa, int64_t pb) {
+          __m256 out[2][1][2];
+          const int8_t* const panels[2] = {wp + pa * KP * kPanel, wp + pb * KP * kPanel};
+          tile_i16<2, 1>(q.values.data(), KP, panels, KP / 2, out);
+          store_row(out[0][0], q.scales[0], scale + pa * kPanel, bias + pa * kPanel, y + pa * kPanel, cols(pa));
+          store_row(out[1][0], q.scales[0], scale + pb * kPanel, bias + pb * kPanel, y + pb * kPanel, cols(pb));
+        },
+        [&](int64_t p) {
+          int8_rows<1>(q, KP, 0, wp + p * KP * kPanel, scale + p * kPanel, bias + p * kPanel, y + p * kPanel, N,
+                       cols(p));
+        });
     return;
   }
   for (int64_t p = begin; p < end; ++p) {
@@ -357,24 +368,6 @@ at::Tensor dense_linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP,
   return at::addmm(bias.narrow(0, 0, N), x, wt.narrow(1, 0, N));
 }
 
-// A panel's K x 16 weights as float32, in channel order.
-template <typename W>
-void widen_panel(const W* panel, int64_t K, float* out) {
-#ifdef TM_AVX2
-  if constexpr (std::is_same_v<W, uint16_t>) {
-    for (int64_t k = 0; k < K; ++k) {
-      __m256 lo, hi;
-      widen16(panel + k * kPanel, lo, hi);
-      _mm256_storeu_ps(out + k * kPanel, lo);
-      _mm256_storeu_ps(out + k * kPanel + 8, hi);
-    }
-    return;
-  }
-#endif
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t c = 0; c < kPanel; ++c) out[k * kPanel + c] = weight_at(panel, k, c);
-}
-
 template <typename W>
 at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const at::Tensor& scale,
                   const at::Tensor& bias, int64_t N) {
@@ -405,7 +398,9 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanel, num_cols = std::min(kPanel, N - n0);
         const W* panel = wp + p * KP * kPanel;
-        if (prewiden) widen_panel(panel, K, widened.data());
+        if (prewiden)  // in channel order
+          for (int64_t k = 0; k < K; ++k)
+            for (int64_t c = 0; c < kPanel; ++c) widened[k * kPanel + c] = weight_at(panel, k, c);
         for (int64_t m = m0; m < m1; m += kRows) {
           const int64_t mr = std::min(kRows, m1 - m);
           if (prewiden)
