@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from tokenmill.config import EngineArgs
+from tokenmill.config import KV_CACHE_DTYPES, EngineArgs
 
 EXAMPLE_PROMPTS = [
     "What is the capital of France?",
@@ -27,6 +27,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                        help="what the KV cache stores; auto: bf16 on a CPU running bf16 or int8 weights, "
+                             "else the model's dtype")
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,

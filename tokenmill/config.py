@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
@@ -32,6 +33,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
+    kv_cache_dtype: str = "float32"  # what the cache stores (resolved from EngineArgs.kv_cache_dtype)
     num_kv_blocks: int | None = None  # explicit count; otherwise from the memory budget
     kv_cache_memory_gb: float = 2.0  # CPU budget for the KV cache
     # CUDA: the share of the device's memory the engine may use (weights, activations, KV cache).
@@ -83,6 +85,9 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
+    # "auto": 16-bit on a CPU running bf16-rounded or int8 weights in float32 (decode attention reads
+    # the whole cache every step: half the bytes), else the model's dtype
+    kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 2.0
     gpu_memory_utilization: float = 0.9
@@ -126,6 +131,8 @@ class EngineArgs:
         )
         cache = CacheConfig(
             block_size=self.block_size,
+            kv_cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, weight_dtype, self.quantization,
+                                                  self.device),
             num_kv_blocks=self.num_kv_blocks,
             kv_cache_memory_gb=self.kv_cache_memory_gb,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -141,3 +148,20 @@ class EngineArgs:
             model, cache, scheduler, self.device, self.attention_backend, enforce_eager=self.enforce_eager
         )
         return config, source
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, weight_dtype: str | None, quantization: str | None,
+                           device: str) -> str:
+    """The KV cache's dtype. Only the CPU attention converts between the cache and the arithmetic dtype,
+    and its C++ kernel reads float32 or bf16."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; use one of {KV_CACHE_DTYPES}.")
+    if kv_cache_dtype == "auto":
+        narrow_weights = weight_dtype == "bfloat16" or quantization is not None
+        return "bfloat16" if device == "cpu" and dtype == "float32" and narrow_weights else dtype
+    if kv_cache_dtype != dtype and (device != "cpu" or kv_cache_dtype not in ("float32", "bfloat16")):
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} differs from the model's dtype {dtype!r}: only the CPU backend "
+            "converts, to and from float32 or bfloat16; use 'auto'."
+        )
+    return kv_cache_dtype

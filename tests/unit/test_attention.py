@@ -59,3 +59,27 @@ def test_backend_matches_reference_on_a_mixed_batch(backend: str, dtype: torch.d
 def test_cpp_decode_kernel_is_built_on_this_machine() -> None:
     # The fast path must not silently fall back: CI has a compiler and ninja.
     assert SDPABackend(torch.device("cpu"))._paged_decode is not None
+
+
+@pytest.mark.parametrize("backend", ["cpu", "sdpa"])
+def test_float32_activations_over_a_bf16_cache(backend: str) -> None:
+    """kv_cache_dtype bfloat16 under a float32 model: new k/v are rounded into the cache, and the
+    decode rows, which read only the cache, match the reference reading the same bf16 values."""
+    q, k, v, cache, meta = mixed_batch(torch.float32)
+    cache = cache.to(torch.bfloat16)
+    ref_cache = cache.clone()
+    expected = get_backend("torch_ref", torch.device("cpu")).forward(q, k, v, ref_cache, meta, D**-0.5)
+    got = get_backend(backend, torch.device("cpu")).forward(q, k, v, cache, meta, D**-0.5)
+    assert got.dtype == torch.float32 and torch.equal(cache, ref_cache)
+    assert torch.equal(cache[0].view(-1, HKV, D)[meta.slot_mapping], k.to(torch.bfloat16))
+    decode_rows = meta.query_start_loc_cpu[2:4]  # requests 2 and 3 decode one token each
+    assert (got[decode_rows] - expected[decode_rows]).abs().max().item() < 1e-5
+    # the fresh prompt attends to its own unrounded k/v in the SDPA path: bf16 rounding apart
+    assert (got - expected).abs().max().item() < 2e-2
+
+
+def test_cpp_decode_kernel_rejects_a_float16_cache() -> None:
+    kernels = SDPABackend(torch.device("cpu"))._paged_decode
+    q, _, _, cache, meta = mixed_batch(torch.float32)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels(q[:2].contiguous(), cache.half(), meta.block_tables[:2], meta.seq_lens[:2], D**-0.5)

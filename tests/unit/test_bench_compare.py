@@ -193,12 +193,16 @@ def test_ratios_and_roofline_fractions_are_against_tokenmill_and_the_ceiling() -
     engines = [EngineSummary("tokenmill", "ok", output_tok_s=300.0, total_tok_s=900.0),
                EngineSummary("vllm", "ok", output_tok_s=200.0, total_tok_s=600.0),
                EngineSummary("ct2", "skipped", note="ct2 is not set up")]
-    roof = decode_roofline(ModelShape.from_hf_config(SMOLLM2), MachineRates(20e9, 100e9, "float32", 64, 2, 150e9),
-                           64, 300, "float32", "float32")
-    add_ratios(engines, roof)
+    shape, rates = ModelShape.from_hf_config(SMOLLM2), MachineRates(20e9, 100e9, "float32", 64, 2, 150e9)
+    roof = decode_roofline(shape, rates, 64, 300, "float32", "float32")
+    add_ratios(engines, roof, shape, rates)
     assert engines[0].ratio_to_tokenmill == 1.0 and engines[1].ratio_to_tokenmill == pytest.approx(2 / 3)
     assert engines[1].roofline_fraction == pytest.approx(200 / roof.ceiling_tok_s)
-    assert engines[1].compute_fraction == pytest.approx(600 / roof.peak_compute_tok_s)
+    # 400 prompt tok/s pass the decoder only; 200 output tok/s the decoder and the LM head
+    lm_head = shape.vocab_size * shape.hidden_size
+    flops = 2 * ((shape.matmul_params - lm_head) * 600 + lm_head * 200)
+    assert engines[1].compute_fraction == pytest.approx(flops / 150e9)
+    assert engines[1].compute_fraction < 600 / roof.peak_compute_tok_s  # prompt tokens skip the LM head
     assert engines[2].ratio_to_tokenmill is None
 
     table = format_table(CompareReport({}, "/m/SmolLM2", "float32", 64, None, roof, engines))
@@ -208,7 +212,7 @@ def test_ratios_and_roofline_fractions_are_against_tokenmill_and_the_ceiling() -
 
 def test_no_ratio_without_a_tokenmill_result() -> None:
     engines = [EngineSummary("tokenmill", "failed", note="x"), EngineSummary("hf", "ok", output_tok_s=50.0)]
-    add_ratios(engines, None)
+    add_ratios(engines, None, None, None)
     assert engines[1].ratio_to_tokenmill is None and engines[1].roofline_fraction is None
 
 

@@ -32,7 +32,9 @@ def _count_fused_calls(llm: LLM) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "precision", [{"dtype": "float32"}, {"dtype": "bfloat16"}, {"dtype": "bfloat16", "quantization": "int8"}]
+    "precision",
+    [{"dtype": "float32"}, {"dtype": "bfloat16"}, {"dtype": "bfloat16", "kv_cache_dtype": "float32"},
+     {"dtype": "bfloat16", "quantization": "int8"}],
 )
 def test_fused_decode_matches_layer_by_layer(
     tiny_model: Path, precision: dict[str, str], monkeypatch: pytest.MonkeyPatch

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import resolve_kv_cache_dtype
 from tokenmill.loader import model_loader
 from tokenmill.loader.model_loader import resolve_precision
 from tokenmill.quant import Bf16Linear, kernels
@@ -64,3 +65,40 @@ def test_packed_bf16_weights_decode_like_the_rounded_fp32_weights(
         for g_lp, w_lp in zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or []):
             for tok, lp in w_lp.items():
                 assert abs(g_lp[tok].logprob - lp.logprob) < 1e-3
+
+
+def test_kv_cache_dtype_auto_is_bf16_under_narrow_weights_on_cpu() -> None:
+    assert resolve_kv_cache_dtype("auto", "float32", "bfloat16", None, "cpu") == "bfloat16"
+    assert resolve_kv_cache_dtype("auto", "float32", None, "int8", "cpu") == "bfloat16"
+    assert resolve_kv_cache_dtype("auto", "float32", None, None, "cpu") == "float32"  # exact fp32 stays exact
+    assert resolve_kv_cache_dtype("auto", "bfloat16", None, None, "cuda") == "bfloat16"
+    assert resolve_kv_cache_dtype("float32", "float32", "bfloat16", None, "cpu") == "float32"
+    assert resolve_kv_cache_dtype("bfloat16", "float32", None, None, "cpu") == "bfloat16"
+    with pytest.raises(ValueError, match="only the CPU backend converts"):
+        resolve_kv_cache_dtype("float32", "bfloat16", None, None, "cuda")
+    with pytest.raises(ValueError, match="only the CPU backend converts"):
+        resolve_kv_cache_dtype("float16", "float32", None, None, "cpu")
+    with pytest.raises(ValueError, match="unknown kv_cache_dtype"):
+        resolve_kv_cache_dtype("fp8", "float32", None, None, "cpu")
+
+
+def test_bf16_kv_cache_holds_twice_the_blocks_and_decodes_like_float32(
+    llama_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same memory budget holds twice the bf16 blocks; greedy tokens match a float32 cache and
+    logprobs stay within bf16 rounding of the keys and values."""
+    monkeypatch.setattr(model_loader, "cpu_has_bf16", lambda: False)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    prompts = [[1, 2, 3, 4], list(range(5, 40))]
+    half = LLM(model=str(llama_model), dtype="bfloat16", kv_cache_memory_gb=0.01)
+    full = LLM(model=str(llama_model), dtype="bfloat16", kv_cache_memory_gb=0.01, kv_cache_dtype="float32")
+    assert half.config.cache.kv_cache_dtype == "bfloat16" and full.config.cache.kv_cache_dtype == "float32"
+    assert all(c.dtype == torch.bfloat16 for c in half.engine.runner.kv_caches)
+    assert half.engine.num_blocks == pytest.approx(2 * full.engine.num_blocks, abs=1)
+    got = half.generate(prompts, params, use_tqdm=False)
+    want = full.generate(prompts, params, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for g_lp, w_lp in zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or []):
+            for tok, lp in w_lp.items():
+                assert abs(g_lp[tok].logprob - lp.logprob) < 5e-2

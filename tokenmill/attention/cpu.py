@@ -60,7 +60,7 @@ class SDPABackend:
         self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
         max_seq_len: int, scale: float,
     ) -> torch.Tensor:
-        if self._paged_decode is not None:
+        if self._paged_decode is not None and kv_cache.dtype in (torch.float32, torch.bfloat16):
             return self._paged_decode(q.contiguous(), kv_cache, block_tables, seq_lens, scale)
         return self._decode_sdpa(q, kv_cache, block_tables, seq_lens, max_seq_len, scale)
 
@@ -78,8 +78,8 @@ class SDPABackend:
         num_blocks = -(-max_seq_len // block_size)
         table = block_tables[:, :num_blocks].long()
         # [B, num_blocks, block_size, Hkv, D] -> [B, Hkv, S, D]
-        ctx_k = kv_cache[0][table].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-        ctx_v = kv_cache[1][table].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        ctx_k = kv_cache[0][table].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+        ctx_v = kv_cache[1][table].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
         positions = torch.arange(ctx_k.shape[2], device=q.device)
         mask = (positions.unsqueeze(0) < seq_lens.unsqueeze(1)).view(batch, 1, 1, -1)  # [B, 1, 1, S]
         out = F.scaled_dot_product_attention(
@@ -102,7 +102,7 @@ class SDPABackend:
             mask = None
             ctx_k, ctx_v = k, v
         else:
-            ctx_k, ctx_v = gather_context(kv_cache, block_table, seq_len)
+            ctx_k, ctx_v = (c.to(q.dtype) for c in gather_context(kv_cache, block_table, seq_len))
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
             mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos  # [q_len, seq_len]
         # 4-D inputs: on CPU, 3-D ones miss torch's flash kernel and run ~3x slower.

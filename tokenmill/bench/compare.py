@@ -25,7 +25,7 @@ from tokenmill.bench.datasets import BenchRequest, check_fits, make_workload
 from tokenmill.bench.peers import PEERS, is_set_up, not_set_up_note, peer_root, run_driver
 from tokenmill.bench.peers.base import venv_python
 from tokenmill.bench.peers.drivers.peer_protocol import PeerPrompt, PeerRequest, PeerResult, RunResult
-from tokenmill.bench.roofline import MachineRates, ModelShape, Roofline, decode_roofline, fraction_of
+from tokenmill.bench.roofline import MachineRates, ModelShape, Roofline, compute_fraction, decode_roofline, fraction_of
 
 TOKENMILL = "tokenmill"
 DTYPES = ("float32", "bfloat16", "int8")
@@ -65,7 +65,7 @@ class EngineSummary:
     startup_s: float = 0.0
     ratio_to_tokenmill: float | None = None  # this engine's output tok/s / tokenmill's
     roofline_fraction: float | None = None  # output tok/s / decode ceiling
-    compute_fraction: float | None = None  # total tok/s / peak-GEMM tok/s (prefill counts too)
+    compute_fraction: float | None = None  # matmul FLOP/s of prompt + output tokens / peak GEMM FLOP/s
     runs: list[dict[str, Any]] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
@@ -134,7 +134,8 @@ def summarize(result: PeerResult, expected_output_tokens: int) -> EngineSummary:
     )
 
 
-def add_ratios(engines: list[EngineSummary], roofline: Roofline | None) -> None:
+def add_ratios(engines: list[EngineSummary], roofline: Roofline | None, shape: ModelShape | None,
+               rates: MachineRates | None) -> None:
     """Fill ratio_to_tokenmill and the roofline fractions of every engine that ran."""
     base = next((e.output_tok_s for e in engines if e.engine == TOKENMILL and e.status == "ok"), None)
     for e in engines:
@@ -143,7 +144,8 @@ def add_ratios(engines: list[EngineSummary], roofline: Roofline | None) -> None:
         e.ratio_to_tokenmill = e.output_tok_s / base if base else None
         if roofline is not None:
             e.roofline_fraction = fraction_of(e.output_tok_s, roofline.ceiling_tok_s)
-            e.compute_fraction = fraction_of(e.total_tok_s, roofline.peak_compute_tok_s)
+        if shape is not None and rates is not None:
+            e.compute_fraction = compute_fraction(shape, rates, e.total_tok_s - e.output_tok_s, e.output_tok_s)
 
 
 def _pct(x: float | None) -> str:
@@ -231,7 +233,7 @@ def run_compare(opts: CompareOptions, log: Callable[[str], None] = print) -> Com
     avg_context = statistics.mean(len(r.prompt_token_ids) + r.output_len / 2 for r in runs[0])
     log("measuring the roofline ...")
     rates = measure_rates(shape, dtype, batch, opts.threads)
-    kv_dtype = "float32" if dtype == "int8" else dtype
+    kv_dtype = "float32" if dtype == "float32" else "bfloat16"  # 16-bit KV: ours (kv_cache_dtype auto) and the peers'
     roofline = decode_roofline(shape, rates, batch, avg_context, weight_dtype=dtype, kv_dtype=kv_dtype)
     log(format_roofline(rates, roofline))
 
@@ -244,7 +246,7 @@ def run_compare(opts: CompareOptions, log: Callable[[str], None] = print) -> Com
         summary = _run_engine(name, base, opts, expected, log)
         log(f"  {name}: {summary.status} {summary.output_tok_s:.1f} output tok/s {summary.note}")
         summaries.append(summary)
-    add_ratios(summaries, roofline)
+    add_ratios(summaries, roofline, shape, rates)
     return CompareReport(asdict(opts), str(folder), dtype, len(runs[0]), rates, roofline, summaries)
 
 

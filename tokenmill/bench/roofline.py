@@ -9,9 +9,11 @@ every running sequence, and spends 2 FLOPs per weight per token. With `batch` se
     ceiling        min(memory-bound, compute-bound)
 
 Bandwidth is measured by reading a >= 1 GiB tensor; the GEMM rate by timing the model's own linear shapes
-(M = batch rows) in the dtype used. Prefill tokens cost the same 2 FLOPs per parameter, so total tok/s
-(prompt + output) against the peak rate (the same shapes at M = 512, a prefill chunk) says how much of the
-machine's arithmetic a run used.
+(M = batch rows) in the dtype used. Prompt tokens cost 2 FLOPs per decoder parameter too (they skip the LM
+head), so the matmul FLOPs of all tokens per second against the peak rate (the same shapes at M = 512, a
+prefill chunk) say how much of the machine's arithmetic a run used: `compute_fraction`. The decode ceiling
+counts output tokens only; with prompts P and outputs O tokens long, no engine reaches more than about
+O / (P + O) of it.
 
     shape = ModelShape.from_hf_config(json.load(open("config.json")))
     rates = measure_rates(shape, "float32", batch=64, threads=2)
@@ -67,6 +69,16 @@ class ModelShape:
     @property
     def matmul_params(self) -> int:
         return sum(out * inp * count for out, inp, count in self.linear_shapes())
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def gemm_flops(self, prompt_tokens: float, output_tokens: float) -> float:
+        """The matmul FLOPs of a run: every token passes the decoder layers, but only sampled (output)
+        tokens pass the LM head; a prompt token costs the decoder's 2 FLOPs per parameter."""
+        decoder = self.matmul_params - self.lm_head_params
+        return 2.0 * (decoder * (prompt_tokens + output_tokens) + self.lm_head_params * output_tokens)
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * BYTES_PER_ELEMENT[dtype]
@@ -195,6 +207,13 @@ def measure_rates(shape: ModelShape, dtype: str, batch: int, threads: int) -> Ma
 
 def fraction_of(throughput_tok_s: float, ceiling_tok_s: float) -> float:
     return throughput_tok_s / ceiling_tok_s if ceiling_tok_s > 0 else 0.0
+
+
+def compute_fraction(shape: ModelShape, rates: MachineRates, prompt_tok_s: float, output_tok_s: float) -> float:
+    """The share of the peak GEMM rate a run's matmuls used: its matmul FLOP/s (prompt and output
+    tokens, see ModelShape.gemm_flops) over the best rate measured."""
+    peak = max(rates.peak_gemm_flops, rates.gemm_flops)
+    return shape.gemm_flops(prompt_tok_s, output_tok_s) / peak if peak > 0 else 0.0
 
 
 def format_roofline(rates: MachineRates, roof: Roofline) -> str:

@@ -1,5 +1,11 @@
-// Paged decode attention for CPUs: each (sequence, kv head) pair reads its KV blocks in place,
-// once per step, with an online softmax; no gathered copy of the cache is ever made.
+// Paged decode attention for CPUs: each (sequence, kv head) pair reads its KV blocks in place, once
+// per step; no gathered copy of the cache is ever made.
+//
+// Two passes per sequence: the scores of every cached key (reading the K blocks), one softmax over
+// them, then the weighted sum of the values (reading the V blocks). Each pass streams one half of the
+// cache block after block, and the softmax runs once over whole rows instead of once per block. The
+// cache holds float32 or bf16 (half the bytes: decode attention is bound by reading the cache); a
+// block's bf16 rows are widened to float32 once, in L1, and shared by all query heads of the group.
 #pragma once
 
 #include <torch/extension.h>
@@ -7,20 +13,24 @@
 
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
-#include <utility>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "avx2_math.h"
 
 namespace tokenmill::attn {
 
-template <typename T>
-inline float to_float(T x) { return static_cast<float>(x); }
+#if defined(__AVX2__) && defined(__FMA__)
+#define TM_ATTN_AVX2 1
+#endif
 
-// ---------------------------------------------------------------- the three inner loops, portable
-// Scores of one query head against a block's keys: scores[t] = q . k[t].
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+
+// ---------------------------------------------------------------- the inner loops, portable
+// scores[t] = q . k[t] for the n keys of one block.
 inline void block_scores(const float* q, const float* k, int64_t k_stride, int64_t n, int64_t head_dim,
                          float* scores) {
   for (int64_t t = 0; t < n; ++t) {
@@ -30,25 +40,39 @@ inline void block_scores(const float* q, const float* k, int64_t k_stride, int64
   }
 }
 
-// scores[t] <- exp(scores[t] - max), for values <= 0 after the shift; returns their sum.
-inline float block_exp(float* scores, int64_t n, float max) {
-  float sum = 0.0f;
-  for (int64_t t = 0; t < n; ++t) {
-    scores[t] = std::exp(scores[t] - max);
-    sum += scores[t];
-  }
-  return sum;
-}
-
-// acc <- acc * correction + sum_t p[t] * v[t].
-inline void block_accumulate(float* acc, float correction, const float* p, const float* v, int64_t v_stride,
-                             int64_t n, int64_t head_dim) {
-  for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
+// acc += sum_t p[t] * v[t].
+inline void block_accumulate(float* acc, const float* p, const float* v, int64_t v_stride, int64_t n,
+                             int64_t head_dim) {
   for (int64_t t = 0; t < n; ++t)
     for (int64_t d = 0; d < head_dim; ++d) acc[d] += p[t] * v[t * v_stride + d];
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+// p[t] <- exp(p[t] - max(p)) over a whole row; returns 1 / sum.
+inline float softmax_row(float* p, int64_t n) {
+  float max = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; ++t) max = std::max(max, p[t]);
+  float sum = 0.0f;
+  int64_t t = 0;
+#ifdef TM_ATTN_AVX2
+  const __m256 m = _mm256_set1_ps(max);
+  __m256 acc = _mm256_setzero_ps();
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = tokenmill::exp256(_mm256_sub_ps(_mm256_loadu_ps(p + t), m));
+    _mm256_storeu_ps(p + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float lane : lanes) sum += lane;
+#endif
+  for (; t < n; ++t) {
+    p[t] = std::exp(p[t] - max);
+    sum += p[t];
+  }
+  return 1.0f / sum;
+}
+
+#ifdef TM_ATTN_AVX2
 // ---------------------------------------------------------------- AVX2 versions (head_dim % 8 == 0)
 // Eight vectors in, one out: lane j holds the sum of the lanes of v[j].
 inline __m256 sum_lanes8(const __m256* v) {
@@ -84,32 +108,14 @@ inline void block_scores_avx2(const float* q, const float* k, int64_t k_stride, 
   }
 }
 
-inline float block_exp_avx2(float* scores, int64_t n, float max) {
-  const __m256 m = _mm256_set1_ps(max);
-  __m256 sum = _mm256_setzero_ps();
-  int64_t t = 0;
-  for (; t + 8 <= n; t += 8) {
-    const __m256 p = tokenmill::exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + t), m));
-    _mm256_storeu_ps(scores + t, p);
-    sum = _mm256_add_ps(sum, p);
-  }
-  float total = sum_lanes(sum);
-  for (; t < n; ++t) {
-    scores[t] = std::exp(scores[t] - max);
-    total += scores[t];
-  }
-  return total;
-}
-
-inline void block_accumulate_avx2(float* acc, float correction, const float* p, const float* v, int64_t v_stride,
-                                  int64_t n, int64_t head_dim) {
-  const __m256 c = _mm256_set1_ps(correction);
+inline void block_accumulate_avx2(float* acc, const float* p, const float* v, int64_t v_stride, int64_t n,
+                                  int64_t head_dim) {
   int64_t d0 = 0;
   // 64 columns at a time: eight independent accumulators stay in registers across the block, so the
   // FMAs of one token do not wait on each other.
   for (; d0 + 64 <= head_dim; d0 += 64) {
     __m256 a[8];
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 8 * j), c);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_loadu_ps(acc + d0 + 8 * j);
     for (int64_t t = 0; t < n; ++t) {
       const __m256 pt = _mm256_broadcast_ss(p + t);
       const float* vt = v + t * v_stride + d0;
@@ -118,131 +124,152 @@ inline void block_accumulate_avx2(float* acc, float correction, const float* p, 
     for (int j = 0; j < 8; ++j) _mm256_storeu_ps(acc + d0 + 8 * j, a[j]);
   }
   for (; d0 < head_dim; d0 += 8) {
-    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + d0), c);
+    __m256 a = _mm256_loadu_ps(acc + d0);
     for (int64_t t = 0; t < n; ++t) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_loadu_ps(v + t * v_stride + d0), a);
     _mm256_storeu_ps(acc + d0, a);
   }
 }
+
+// Eight bf16 values -> float32: a bf16 is the top half of a float32.
+inline __m256 widen_bf16(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 #endif
 
-// Keys or values of one block as float rows [num_tokens][head_dim]: for float the cache rows
-// themselves (no copy), otherwise converted into `buffer`. Returns the row pointer and row stride.
+// One kv head's rows of a block as float32 [n][head_dim] with stride `stride`: float cache rows in
+// place, bf16 rows widened into `buffer` (L1-resident, read again by every query head of the group).
 template <typename T>
-inline std::pair<const float*, int64_t> block_rows(const T* src, int64_t num_tokens, int64_t head_dim,
-                                                   int64_t token_stride, float* buffer) {
+inline const float* block_rows(const T* src, int64_t n, int64_t head_dim, int64_t token_stride, float* buffer,
+                               int64_t& stride) {
   if constexpr (std::is_same_v<T, float>) {
-    return {src, token_stride};
+    stride = token_stride;
+    return src;
   } else {
-    for (int64_t t = 0; t < num_tokens; ++t)
-      for (int64_t d = 0; d < head_dim; ++d) buffer[t * head_dim + d] = to_float(src[t * token_stride + d]);
-    return {buffer, head_dim};
+    for (int64_t t = 0; t < n; ++t) {
+      int64_t d = 0;
+#ifdef TM_ATTN_AVX2
+      for (; d + 8 <= head_dim; d += 8) _mm256_storeu_ps(buffer + t * head_dim + d, widen_bf16(src + t * token_stride + d));
+#endif
+      for (; d < head_dim; ++d) buffer[t * head_dim + d] = to_float(src[t * token_stride + d]);
+    }
+    stride = head_dim;
+    return buffer;
   }
 }
 
+// The item's rows of the next block: the blocks are scattered over the pool, beyond the reach of
+// the hardware prefetcher.
 template <typename T>
-inline void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
-            const int32_t* seq_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-            int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
+inline void prefetch_rows(const T* first, int64_t block_size, int64_t token_stride, int64_t row_bytes) {
+  for (int64_t t = 0; t < block_size; ++t)
+    for (int64_t b = 0; b < row_bytes; b += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(first + t * token_stride) + b);
+}
+
+template <typename T>
+inline void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+                   const int32_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // between tokens of one block
   const int64_t block_stride = block_size * token_stride;
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef TM_ATTN_AVX2
   const bool vectorized = head_dim % 8 == 0;
-#else
-  const bool vectorized = false;
 #endif
+  const auto scores_of = [&](const float* qg, const float* k, int64_t stride, int64_t n, float* s) {
+#ifdef TM_ATTN_AVX2
+    if (vectorized) return block_scores_avx2(qg, k, stride, n, head_dim, s);
+#endif
+    block_scores(qg, k, stride, n, head_dim, s);
+  };
+  const auto accumulate = [&](float* acc, const float* p, const float* v, int64_t stride, int64_t n) {
+#ifdef TM_ATTN_AVX2
+    if (vectorized) return block_accumulate_avx2(acc, p, v, stride, n, head_dim);
+#endif
+    block_accumulate(acc, p, v, stride, n, head_dim);
+  };
   // Work items are sequences; with few sequences, (sequence, kv head) pairs, so every thread has work.
-  // A sequence's item walks its blocks in order and reads each block's rows for all its heads at once:
-  // contiguous memory, with the next block prefetched (the blocks are scattered over the pool).
   const int64_t splits = num_seqs >= 4 * at::get_num_threads() ? 1 : num_kv_heads;
   const int64_t heads_per_item = num_kv_heads / splits;
   at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
     const int64_t item_heads = heads_per_item * group;  // query heads of one item
-    std::vector<float> qf(item_heads * head_dim), acc(item_heads * head_dim), kbuf(block_size * head_dim),
-        vbuf(block_size * head_dim), scores(block_size), row_max(item_heads), row_sum(item_heads);
+    std::vector<float> qf(item_heads * head_dim), acc(item_heads * head_dim), buffer(block_size * head_dim), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / splits, kv_head0 = (item % splits) * heads_per_item;
       const int64_t seq_len = seq_lens[seq];
-      const T* q_item = q + (seq * num_heads + kv_head0 * group) * head_dim;
-      for (int64_t i = 0; i < item_heads * head_dim; ++i) qf[i] = to_float(q_item[i]) * scale;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(row_sum.begin(), row_sum.end(), 0.0f);
-      const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+      float* out_item = out + (seq * num_heads + kv_head0 * group) * head_dim;
+      if (seq_len <= 0) {  // nothing to attend to (never scheduled): zeros, not NaN
+        std::fill(out_item, out_item + item_heads * head_dim, 0.0f);
+        continue;
+      }
+      const float* q_item = q + (seq * num_heads + kv_head0 * group) * head_dim;
+      for (int64_t i = 0; i < item_heads * head_dim; ++i) qf[i] = q_item[i] * scale;
+      const int32_t* table = block_tables + seq * max_blocks;
+      const int64_t num_blocks = (seq_len + block_size - 1) / block_size, padded = num_blocks * block_size;
       const int64_t row_bytes = heads_per_item * head_dim * sizeof(T);  // one token's rows for the item
+      const int64_t head_offset = kv_head0 * head_dim;
+      scores.resize(item_heads * padded);  // [item_heads, padded]
+      // Pass 1: every key's score, K blocks in order.
       for (int64_t j = 0; j < num_blocks; ++j) {
-        const int64_t block = block_tables[seq * max_blocks + j];
         const int64_t n = std::min(block_size, seq_len - j * block_size);
-        if (j + 1 < num_blocks) {
-          const int64_t next = block_tables[seq * max_blocks + j + 1] * block_stride + kv_head0 * head_dim;
-          for (int64_t t = 0; t < block_size; ++t)
-            for (int64_t b = 0; b < row_bytes; b += 64) {
-              __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next + t * token_stride) + b);
-              __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next + t * token_stride) + b);
-            }
-        }
+        if (j + 1 < num_blocks) prefetch_rows(k_cache + table[j + 1] * block_stride + head_offset, block_size, token_stride, row_bytes);
         for (int64_t h = 0; h < heads_per_item; ++h) {
-          const int64_t offset = block * block_stride + (kv_head0 + h) * head_dim;
-          // The block's keys and values are read once for all query heads of the group (GQA).
-          const auto [k_rows, k_stride] = block_rows(k_cache + offset, n, head_dim, token_stride, kbuf.data());
-          const auto [v_rows, v_stride] = block_rows(v_cache + offset, n, head_dim, token_stride, vbuf.data());
-          for (int64_t g = h * group; g < (h + 1) * group; ++g) {
-            float* sg = scores.data();
-            const float* qg = qf.data() + g * head_dim;
-            float* ag = acc.data() + g * head_dim;
-#if defined(__AVX2__) && defined(__FMA__)
-            if (vectorized) block_scores_avx2(qg, k_rows, k_stride, n, head_dim, sg);
-            else
-#endif
-              block_scores(qg, k_rows, k_stride, n, head_dim, sg);
-            const float new_max = std::max(row_max[g], *std::max_element(sg, sg + n));
-            const float correction = std::exp(row_max[g] - new_max);  // 0 on the first block
-            float block_sum;
-#if defined(__AVX2__) && defined(__FMA__)
-            if (vectorized) {
-              block_sum = block_exp_avx2(sg, n, new_max);
-              block_accumulate_avx2(ag, correction, sg, v_rows, v_stride, n, head_dim);
-            } else
-#endif
-            {
-              block_sum = block_exp(sg, n, new_max);
-              block_accumulate(ag, correction, sg, v_rows, v_stride, n, head_dim);
-            }
-            row_sum[g] = row_sum[g] * correction + block_sum;
-            row_max[g] = new_max;
-          }
+          int64_t stride;
+          const float* k = block_rows(k_cache + table[j] * block_stride + head_offset + h * head_dim, n, head_dim,
+                                      token_stride, buffer.data(), stride);
+          for (int64_t g = h * group; g < (h + 1) * group; ++g)
+            scores_of(qf.data() + g * head_dim, k, stride, n, scores.data() + g * padded + j * block_size);
         }
       }
-      T* out_item = out + (seq * num_heads + kv_head0 * group) * head_dim;
-      for (int64_t g = 0; g < item_heads; ++g) {
-        const float inv = 1.0f / row_sum[g];
-        for (int64_t d = 0; d < head_dim; ++d) out_item[g * head_dim + d] = T(acc[g * head_dim + d] * inv);
+      std::vector<float> inv_sum(item_heads);
+      for (int64_t g = 0; g < item_heads; ++g) inv_sum[g] = softmax_row(scores.data() + g * padded, seq_len);
+      // Pass 2: the probability-weighted values, V blocks in order.
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        const int64_t n = std::min(block_size, seq_len - j * block_size);
+        if (j + 1 < num_blocks) prefetch_rows(v_cache + table[j + 1] * block_stride + head_offset, block_size, token_stride, row_bytes);
+        for (int64_t h = 0; h < heads_per_item; ++h) {
+          int64_t stride;
+          const float* v = block_rows(v_cache + table[j] * block_stride + head_offset + h * head_dim, n, head_dim,
+                                      token_stride, buffer.data(), stride);
+          for (int64_t g = h * group; g < (h + 1) * group; ++g)
+            accumulate(acc.data() + g * head_dim, scores.data() + g * padded + j * block_size, v, stride, n);
+        }
       }
+      for (int64_t g = 0; g < item_heads; ++g)
+        for (int64_t d = 0; d < head_dim; ++d) out_item[g * head_dim + d] = acc[g * head_dim + d] * inv_sum[g];
     }
   });
 }
 
-// q: [num_seqs, num_heads, head_dim]; kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim];
-// block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32. Returns like q.
-inline torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                           torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous(), "q and kv_cache must be contiguous");
+// q: [num_seqs, num_heads, head_dim] (computed in float32); kv_cache: [2, num_blocks, block_size, Hkv, D]
+// float32 or bfloat16; block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32.
+// Returns like q.
+inline torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& kv_cache,
+                                  const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.is_contiguous(),
+              "q: [num_seqs, num_heads, head_dim]; kv_cache: contiguous [2, num_blocks, block_size, Hkv, D]");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
-  auto tables = block_tables.contiguous();
-  auto lens = seq_lens.contiguous();
-  TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "query heads must be a multiple of KV heads");
-  auto out = torch::empty_like(q);
+  TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0 && q.size(2) == kv_cache.size(4),
+              "query heads must be a multiple of KV heads, of the same head_dim");
+  const auto tables = block_tables.contiguous();
+  const auto lens = seq_lens.contiguous();
+  const auto qf = q.to(at::kFloat).contiguous();
+  auto out = torch::empty_like(qf);
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
   const int64_t cache_half = kv_cache.size(1) * block_size * num_kv_heads * head_dim;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    const scalar_t* cache = kv_cache.data_ptr<scalar_t>();
-    decode<scalar_t>(q.data_ptr<scalar_t>(), cache, cache + cache_half, tables.data_ptr<int32_t>(),
-                     lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), num_seqs, num_heads, num_kv_heads,
-                     head_dim, block_size, tables.size(1), static_cast<float>(scale));
-  });
-  return out;
+  const auto run = [&](const auto* cache) {
+    decode(qf.data_ptr<float>(), cache, cache + cache_half, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+           out.data_ptr<float>(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.size(1),
+           static_cast<float>(scale));
+  };
+  if (kv_cache.scalar_type() == at::kFloat) run(kv_cache.data_ptr<float>());
+  else if (kv_cache.scalar_type() == at::kBFloat16) run(kv_cache.data_ptr<at::BFloat16>());
+  else TORCH_CHECK(false, "kv_cache must be float32 or bfloat16, got ", kv_cache.scalar_type());
+  return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
 }
 
 }  // namespace tokenmill::attn

@@ -84,8 +84,8 @@ class EngineCore:
         self.num_idle_steps = 0  # consecutive steps that scheduled nothing while requests waited
         self.num_failed_steps = 0  # model steps that raised (the server treats one as fatal)
         logger.info(
-            "engine ready: %d KV blocks of %d tokens, dtype %s (weights %s), attention %s, fused decode %s",
-            self.num_blocks, config.cache.block_size, config.model.dtype,
+            "engine ready: %d KV blocks of %d tokens (%s), dtype %s (weights %s), attention %s, fused decode %s",
+            self.num_blocks, config.cache.block_size, config.cache.kv_cache_dtype, config.model.dtype,
             config.model.weight_dtype or config.model.dtype, self.runner.backend.name,
             "on" if self.runner.fused_decode_off_reason is None else f"off ({self.runner.fused_decode_off_reason})",
         )

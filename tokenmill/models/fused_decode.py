@@ -3,8 +3,8 @@
 A decode step of a small model at batch 1 issues ~15 PyTorch calls per layer; from Python they cost
 about as much as the weight streaming they wrap. The C++ stack runs the same kernels on the same
 weights and KV cache, so the numbers match the layer-by-layer path (tests/unit/test_fused_decode.py).
-It covers the common case: float32 or packed (bf16, int8) weights on CPU, float32 activations and
-cache, the C++ paged-decode attention, no q/k norm (Qwen3 keeps the Python path). Steps with any
+It covers the common case: float32 or packed (bf16, int8) weights on CPU, float32 activations, a
+float32 or bf16 cache, the C++ paged-decode attention, no q/k norm (Qwen3 keeps the Python path). Steps with any
 prompt token run layer by layer."""
 
 from __future__ import annotations
@@ -84,6 +84,8 @@ class FusedDecode:
         caches = [layer.self_attn.kv_cache for layer in self.model.layers]
         if any(c is None for c in caches):
             raise RuntimeError("the KV cache was not bound to the attention layers")
+        if caches[0].dtype not in (torch.float32, torch.bfloat16):
+            raise RuntimeError(f"the fused decode stack reads a float32 or bf16 KV cache, not {caches[0].dtype}")
         if self._stack is None or any(a is not b for a, b in zip(caches, self._caches)):
             self._stack = self._bind(caches)
         cos, sin = rotary

@@ -27,7 +27,7 @@ _SEED_STRIDE = 1_000_003
 def kv_cache_bytes_per_block(config: EngineConfig) -> int:
     hf_config = config.model.hf_config
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    itemsize = torch.empty(0, dtype=getattr(torch, config.model.dtype)).element_size()
+    itemsize = torch.empty(0, dtype=getattr(torch, config.cache.kv_cache_dtype)).element_size()
     per_token = 2 * hf_config.num_hidden_layers * num_kv_heads * head_dim_of(hf_config) * itemsize
     return per_token * config.cache.block_size
 
@@ -61,7 +61,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One [2, num_blocks, block_size, Hkv, D] tensor per layer, bound to its attention module.
         Zeroed: padded context slots are masked, but must never hold NaN (0 * NaN = NaN)."""
-        dtype = getattr(torch, self.config.model.dtype)
+        dtype = getattr(torch, self.config.cache.kv_cache_dtype)
         self.kv_caches = []
         self.cuda_graphs = None  # captured graphs read the old cache in place
         for layer in self.model.layers:

@@ -32,7 +32,7 @@ inline at::Tensor linear(const PackedLinear& w, const at::Tensor& x) {
 struct Layer {
   at::Tensor input_norm, post_attention_norm;  // [hidden]
   PackedLinear qkv, o, gate_up, down;
-  at::Tensor kv_cache;  // [2, num_blocks, block_size, Hkv, D] float32
+  at::Tensor kv_cache;  // [2, num_blocks, block_size, Hkv, D] float32 or bf16
 };
 
 class DecodeStack {
@@ -44,9 +44,9 @@ class DecodeStack {
 
   void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, PackedLinear qkv, PackedLinear o,
                  PackedLinear gate_up, PackedLinear down, at::Tensor kv_cache) {
-    TORCH_CHECK(kv_cache.scalar_type() == at::kFloat && kv_cache.is_contiguous() && kv_cache.dim() == 5 &&
-                kv_cache.size(3) == num_kv_heads_ && kv_cache.size(4) == head_dim_,
-                "kv_cache: contiguous [2, num_blocks, block_size, Hkv, D] float32");
+    TORCH_CHECK((kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16) &&
+                kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(3) == num_kv_heads_ &&
+                kv_cache.size(4) == head_dim_, "kv_cache: contiguous [2, num_blocks, block_size, Hkv, D] float32 or bf16");
     TORCH_CHECK(std::get<3>(qkv) == (num_heads_ + 2 * num_kv_heads_) * head_dim_, "qkv width");
     layers_.push_back({std::move(input_norm), std::move(post_attention_norm), std::move(qkv), std::move(o),
                        std::move(gate_up), std::move(down), std::move(kv_cache)});
@@ -86,18 +86,27 @@ class DecodeStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
-  // Copy each row's k and v heads (after rotary) into its cache slot.
+  // Copy each row's k and v heads (after rotary) into its cache slot; a bf16 cache rounds them to
+  // nearest even, as torch's conversion does in the layer-by-layer path.
   void write_kv(const at::Tensor& qkv, const at::Tensor& kv_cache, const int64_t* slots, int64_t q_size) const {
+    if (kv_cache.scalar_type() == at::kBFloat16)
+      write_rows(qkv, kv_cache.data_ptr<at::BFloat16>(), kv_cache.size(1) * kv_cache.size(2), slots, q_size);
+    else
+      write_rows(qkv, kv_cache.data_ptr<float>(), kv_cache.size(1) * kv_cache.size(2), slots, q_size);
+  }
+
+  template <typename T>
+  void write_rows(const at::Tensor& qkv, T* k_cache, int64_t num_slots, const int64_t* slots, int64_t q_size) const {
     const int64_t kv_size = num_kv_heads_ * head_dim_;
-    const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
-    float* k_cache = kv_cache.data_ptr<float>();
-    float* v_cache = k_cache + num_slots * kv_size;
+    T* v_cache = k_cache + num_slots * kv_size;
     const float* rows = qkv.data_ptr<float>();
     for (int64_t b = 0; b < qkv.size(0); ++b) {
       TORCH_CHECK(slots[b] >= 0 && slots[b] < num_slots, "cache slot ", slots[b], " out of range");
-      const float* row = rows + b * qkv.stride(0);
-      std::memcpy(k_cache + slots[b] * kv_size, row + q_size, kv_size * sizeof(float));
-      std::memcpy(v_cache + slots[b] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
+      const float* row = rows + b * qkv.stride(0) + q_size;
+      for (int64_t i = 0; i < kv_size; ++i) {
+        k_cache[slots[b] * kv_size + i] = static_cast<T>(row[i]);
+        v_cache[slots[b] * kv_size + i] = static_cast<T>(row[kv_size + i]);
+      }
     }
   }
 
