@@ -173,19 +173,27 @@ def test_summarize_reports_the_best_variant_by_median() -> None:
         _run(100, 1.25, "batch 8"), _run(100, 0.8, "batch 16"),
         _run(100, 5.0, "batch 8"), _run(100, 1.0, "batch 16"),
     ])
-    summary = summarize(result, expected_output_tokens=100)
+    summary = summarize(result, expected_output_tokens=[100, 100, 100])
     assert summary.status == "ok" and summary.variant == "batch 16"
     assert summary.output_tok_s == 100.0  # median of 50, 125, 100
     assert "batch 8: 80" in summary.note and "batch 16: 100" in summary.note
 
 
 def test_summarize_warns_when_an_engine_returns_too_few_tokens() -> None:
-    summary = summarize(PeerResult(engine="ct2", runs=[_run(90, 1.0)]), expected_output_tokens=100)
+    summary = summarize(PeerResult(engine="ct2", runs=[_run(90, 1.0)]), expected_output_tokens=[100])
     assert summary.note.startswith("WARNING: produced 90 of 100")
 
 
+def test_each_repeat_is_checked_against_its_own_requests() -> None:
+    # repeat r draws the workload with seed + r: another total of output tokens
+    fine = summarize(PeerResult(engine="tokenmill", runs=[_run(100, 1.0), _run(90, 1.0)]), [100, 90])
+    assert "WARNING" not in fine.note
+    short = summarize(PeerResult(engine="tokenmill", runs=[_run(100, 1.0), _run(89, 1.0)]), [100, 90])
+    assert short.note.startswith("WARNING: produced 89 of 90")
+
+
 def test_summarize_turns_a_driver_error_into_a_failed_line() -> None:
-    summary = summarize(PeerResult(engine="vllm", error="Traceback ...\nRuntimeError: no AVX-512"), 100)
+    summary = summarize(PeerResult(engine="vllm", error="Traceback ...\nRuntimeError: no AVX-512"), [100])
     assert summary.status == "failed" and summary.note == "RuntimeError: no AVX-512"
 
 

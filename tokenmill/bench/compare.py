@@ -106,8 +106,10 @@ def to_prompts(requests: list[BenchRequest]) -> list[PeerPrompt]:
     return [PeerPrompt(list(r.prompt_token_ids), r.output_len, r.temperature) for r in requests]
 
 
-def summarize(result: PeerResult, expected_output_tokens: int) -> EngineSummary:
-    """The table line for a driver's result: its best variant by median output tok/s, or the failure."""
+def summarize(result: PeerResult, expected_output_tokens: list[int]) -> EngineSummary:
+    """The table line for a driver's result: its best variant by median output tok/s, or the failure.
+    `expected_output_tokens[r]` is repeat r's total (each repeat draws its own requests); a variant's
+    runs come in repeat order."""
     if result.error is not None:
         last = result.error.strip().splitlines()[-1] if result.error.strip() else "failed"
         return EngineSummary(result.engine, "failed", note=last[:200], version=result.version, error=result.error)
@@ -121,9 +123,9 @@ def summarize(result: PeerResult, expected_output_tokens: int) -> EngineSummary:
     if len(by_variant) > 1:
         medians = ", ".join(f"{v}: {statistics.median(r.output_tok_s for r in rs):.0f}" for v, rs in by_variant.items())
         notes.insert(0, f"best of {medians} output tok/s")
-    short = [r for r in runs if r.output_tokens < expected_output_tokens]
+    short = [(r.output_tokens, want) for r, want in zip(runs, expected_output_tokens) if r.output_tokens < want]
     if short:
-        notes.insert(0, f"WARNING: produced {short[0].output_tokens} of {expected_output_tokens} output tokens")
+        notes.insert(0, f"WARNING: produced {short[0][0]} of {short[0][1]} output tokens")
     return EngineSummary(
         engine=result.engine, status="ok", note="; ".join(notes), version=result.version, variant=variant,
         output_tok_s=statistics.median(r.output_tok_s for r in runs),
@@ -226,7 +228,7 @@ def run_compare(opts: CompareOptions, log: Callable[[str], None] = print) -> Com
                           max_output_len=opts.max_output_len) for r in range(opts.repeat)]
     for requests in runs:
         check_fits(requests, int(config.get("max_position_embeddings") or 4096))
-    expected = sum(r.output_len for r in runs[0])
+    expected = [sum(r.output_len for r in requests) for requests in runs]
 
     shape = ModelShape.from_hf_config(config)
     batch = min(len(runs[0]), opts.max_num_seqs or 64)
@@ -250,7 +252,7 @@ def run_compare(opts: CompareOptions, log: Callable[[str], None] = print) -> Com
     return CompareReport(asdict(opts), str(folder), dtype, len(runs[0]), rates, roofline, summaries)
 
 
-def _run_engine(name: str, base: PeerRequest, opts: CompareOptions, expected: int,
+def _run_engine(name: str, base: PeerRequest, opts: CompareOptions, expected: list[int],
                 log: Callable[[str], None]) -> EngineSummary:
     options = dict(opts.engine_options.get(name, {}))
     if opts.max_num_seqs and name in (TOKENMILL, "vllm", "llamacpp"):

@@ -125,7 +125,8 @@ inline void block_accumulate_avx2(float* acc, const float* p, const float* v, in
   }
   for (; d0 < head_dim; d0 += 8) {
     __m256 a = _mm256_loadu_ps(acc + d0);
-    for (int64_t t = 0; t < n; ++t) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_loadu_ps(v + t * v_stride + d0), a);
+    for (int64_t t = 0; t < n; ++t)
+      a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_loadu_ps(v + t * v_stride + d0), a);
     _mm256_storeu_ps(acc + d0, a);
   }
 }
@@ -149,7 +150,8 @@ inline const float* block_rows(const T* src, int64_t n, int64_t head_dim, int64_
     for (int64_t t = 0; t < n; ++t) {
       int64_t d = 0;
 #ifdef TM_ATTN_AVX2
-      for (; d + 8 <= head_dim; d += 8) _mm256_storeu_ps(buffer + t * head_dim + d, widen_bf16(src + t * token_stride + d));
+      for (; d + 8 <= head_dim; d += 8)
+        _mm256_storeu_ps(buffer + t * head_dim + d, widen_bf16(src + t * token_stride + d));
 #endif
       for (; d < head_dim; ++d) buffer[t * head_dim + d] = to_float(src[t * token_stride + d]);
     }
@@ -165,6 +167,27 @@ inline void prefetch_rows(const T* first, int64_t block_size, int64_t token_stri
   for (int64_t t = 0; t < block_size; ++t)
     for (int64_t b = 0; b < row_bytes; b += 64)
       __builtin_prefetch(reinterpret_cast<const char*>(first + t * token_stride) + b);
+}
+
+// Work items (sequence, or (sequence, kv-head group) with `splits` > 1) dealt to the threads longest
+// first, each to the least loaded: sequences differ in length, and a static split of the item range
+// would leave one thread waiting on another. Each item is computed the same way wherever it runs.
+inline std::vector<std::vector<int64_t>> balance(const int32_t* seq_lens, int64_t num_seqs, int64_t splits,
+                                                 int64_t block_size) {
+  const int64_t num_items = num_seqs * splits;
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  std::vector<int64_t> order(num_items);
+  for (int64_t i = 0; i < num_items; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return seq_lens[a / splits] > seq_lens[b / splits]; });
+  std::vector<std::vector<int64_t>> plan(workers);
+  std::vector<int64_t> load(workers, 0);
+  for (const int64_t item : order) {
+    const int64_t w = std::min_element(load.begin(), load.end()) - load.begin();
+    plan[w].push_back(item);
+    load[w] += std::max<int32_t>(seq_lens[item / splits], 0) + block_size;  // + a block: per-item overhead
+  }
+  return plan;
 }
 
 template <typename T>
@@ -192,53 +215,58 @@ inline void decode(const float* q, const T* k_cache, const T* v_cache, const int
   // Work items are sequences; with few sequences, (sequence, kv head) pairs, so every thread has work.
   const int64_t splits = num_seqs >= 4 * at::get_num_threads() ? 1 : num_kv_heads;
   const int64_t heads_per_item = num_kv_heads / splits;
-  at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<std::vector<int64_t>> plan = balance(seq_lens, num_seqs, splits, block_size);
+  at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {
     const int64_t item_heads = heads_per_item * group;  // query heads of one item
     std::vector<float> qf(item_heads * head_dim), acc(item_heads * head_dim), buffer(block_size * head_dim), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / splits, kv_head0 = (item % splits) * heads_per_item;
-      const int64_t seq_len = seq_lens[seq];
-      float* out_item = out + (seq * num_heads + kv_head0 * group) * head_dim;
-      if (seq_len <= 0) {  // nothing to attend to (never scheduled): zeros, not NaN
-        std::fill(out_item, out_item + item_heads * head_dim, 0.0f);
-        continue;
-      }
-      const float* q_item = q + (seq * num_heads + kv_head0 * group) * head_dim;
-      for (int64_t i = 0; i < item_heads * head_dim; ++i) qf[i] = q_item[i] * scale;
-      const int32_t* table = block_tables + seq * max_blocks;
-      const int64_t num_blocks = (seq_len + block_size - 1) / block_size, padded = num_blocks * block_size;
-      const int64_t row_bytes = heads_per_item * head_dim * sizeof(T);  // one token's rows for the item
-      const int64_t head_offset = kv_head0 * head_dim;
-      scores.resize(item_heads * padded);  // [item_heads, padded]
-      // Pass 1: every key's score, K blocks in order.
-      for (int64_t j = 0; j < num_blocks; ++j) {
-        const int64_t n = std::min(block_size, seq_len - j * block_size);
-        if (j + 1 < num_blocks) prefetch_rows(k_cache + table[j + 1] * block_stride + head_offset, block_size, token_stride, row_bytes);
-        for (int64_t h = 0; h < heads_per_item; ++h) {
-          int64_t stride;
-          const float* k = block_rows(k_cache + table[j] * block_stride + head_offset + h * head_dim, n, head_dim,
-                                      token_stride, buffer.data(), stride);
-          for (int64_t g = h * group; g < (h + 1) * group; ++g)
-            scores_of(qf.data() + g * head_dim, k, stride, n, scores.data() + g * padded + j * block_size);
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (const int64_t item : plan[worker]) {
+        const int64_t seq = item / splits, kv_head0 = (item % splits) * heads_per_item;
+        const int64_t seq_len = seq_lens[seq];
+        float* out_item = out + (seq * num_heads + kv_head0 * group) * head_dim;
+        if (seq_len <= 0) {  // nothing to attend to (never scheduled): zeros, not NaN
+          std::fill(out_item, out_item + item_heads * head_dim, 0.0f);
+          continue;
         }
-      }
-      std::vector<float> inv_sum(item_heads);
-      for (int64_t g = 0; g < item_heads; ++g) inv_sum[g] = softmax_row(scores.data() + g * padded, seq_len);
-      // Pass 2: the probability-weighted values, V blocks in order.
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < num_blocks; ++j) {
-        const int64_t n = std::min(block_size, seq_len - j * block_size);
-        if (j + 1 < num_blocks) prefetch_rows(v_cache + table[j + 1] * block_stride + head_offset, block_size, token_stride, row_bytes);
-        for (int64_t h = 0; h < heads_per_item; ++h) {
-          int64_t stride;
-          const float* v = block_rows(v_cache + table[j] * block_stride + head_offset + h * head_dim, n, head_dim,
-                                      token_stride, buffer.data(), stride);
-          for (int64_t g = h * group; g < (h + 1) * group; ++g)
-            accumulate(acc.data() + g * head_dim, scores.data() + g * padded + j * block_size, v, stride, n);
+        const float* q_item = q + (seq * num_heads + kv_head0 * group) * head_dim;
+        for (int64_t i = 0; i < item_heads * head_dim; ++i) qf[i] = q_item[i] * scale;
+        const int32_t* table = block_tables + seq * max_blocks;
+        const int64_t num_blocks = (seq_len + block_size - 1) / block_size, padded = num_blocks * block_size;
+        const int64_t row_bytes = heads_per_item * head_dim * sizeof(T);  // one token's rows for the item
+        const int64_t head_offset = kv_head0 * head_dim;
+        scores.resize(item_heads * padded);  // [item_heads, padded]
+        // Pass 1: every key's score, K blocks in order.
+        for (int64_t j = 0; j < num_blocks; ++j) {
+          const int64_t n = std::min(block_size, seq_len - j * block_size);
+          if (j + 1 < num_blocks)
+            prefetch_rows(k_cache + table[j + 1] * block_stride + head_offset, block_size, token_stride, row_bytes);
+          for (int64_t h = 0; h < heads_per_item; ++h) {
+            int64_t stride;
+            const float* k = block_rows(k_cache + table[j] * block_stride + head_offset + h * head_dim, n, head_dim,
+                                        token_stride, buffer.data(), stride);
+            for (int64_t g = h * group; g < (h + 1) * group; ++g)
+              scores_of(qf.data() + g * head_dim, k, stride, n, scores.data() + g * padded + j * block_size);
+          }
         }
+        std::vector<float> inv_sum(item_heads);
+        for (int64_t g = 0; g < item_heads; ++g) inv_sum[g] = softmax_row(scores.data() + g * padded, seq_len);
+        // Pass 2: the probability-weighted values, V blocks in order.
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t j = 0; j < num_blocks; ++j) {
+          const int64_t n = std::min(block_size, seq_len - j * block_size);
+          if (j + 1 < num_blocks)
+            prefetch_rows(v_cache + table[j + 1] * block_stride + head_offset, block_size, token_stride, row_bytes);
+          for (int64_t h = 0; h < heads_per_item; ++h) {
+            int64_t stride;
+            const float* v = block_rows(v_cache + table[j] * block_stride + head_offset + h * head_dim, n, head_dim,
+                                        token_stride, buffer.data(), stride);
+            for (int64_t g = h * group; g < (h + 1) * group; ++g)
+              accumulate(acc.data() + g * head_dim, scores.data() + g * padded + j * block_size, v, stride, n);
+          }
+        }
+        for (int64_t g = 0; g < item_heads; ++g)
+          for (int64_t d = 0; d < head_dim; ++d) out_item[g * head_dim + d] = acc[g * head_dim + d] * inv_sum[g];
       }
-      for (int64_t g = 0; g < item_heads; ++g)
-        for (int64_t d = 0; d < head_dim; ++d) out_item[g * head_dim + d] = acc[g * head_dim + d] * inv_sum[g];
     }
   });
 }
