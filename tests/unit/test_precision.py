@@ -12,7 +12,17 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import resolve_kv_cache_dtype
 from tokenmill.loader import model_loader
 from tokenmill.loader.model_loader import resolve_precision
+from tokenmill.outputs import RequestOutput
 from tokenmill.quant import Bf16Linear, kernels
+
+
+def assert_same_greedy(got: list[RequestOutput], want: list[RequestOutput], logprob_tol: float) -> None:
+    """Same greedy tokens; every top logprob of `want` within `logprob_tol` in `got`."""
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for g_lp, w_lp in zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or []):
+            for tok, lp in w_lp.items():
+                assert abs(g_lp[tok].logprob - lp.logprob) < logprob_tol
 
 
 def test_bf16_becomes_rounded_weights_only_where_the_cpu_lacks_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -60,11 +70,7 @@ def test_packed_bf16_weights_decode_like_the_rounded_fp32_weights(
     rounded = LLM(model=str(llama_model), dtype="bfloat16", num_kv_blocks=64)
     assert not any(isinstance(m, Bf16Linear) for m in rounded.engine.runner.model.modules())
     want = rounded.generate(prompts, params, use_tqdm=False)
-    for g, w in zip(got, want):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        for g_lp, w_lp in zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or []):
-            for tok, lp in w_lp.items():
-                assert abs(g_lp[tok].logprob - lp.logprob) < 1e-3
+    assert_same_greedy(got, want, logprob_tol=1e-3)
 
 
 def test_kv_cache_dtype_auto_is_bf16_under_narrow_weights_on_cpu() -> None:
@@ -97,8 +103,4 @@ def test_bf16_kv_cache_holds_twice_the_blocks_and_decodes_like_float32(
     assert half.engine.num_blocks == pytest.approx(2 * full.engine.num_blocks, abs=1)
     got = half.generate(prompts, params, use_tqdm=False)
     want = full.generate(prompts, params, use_tqdm=False)
-    for g, w in zip(got, want):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        for g_lp, w_lp in zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or []):
-            for tok, lp in w_lp.items():
-                assert abs(g_lp[tok].logprob - lp.logprob) < 5e-2
+    assert_same_greedy(got, want, logprob_tol=5e-2)

@@ -218,7 +218,8 @@ inline void decode(const float* q, const T* k_cache, const T* v_cache, const int
   const std::vector<std::vector<int64_t>> plan = balance(seq_lens, num_seqs, splits, block_size);
   at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {
     const int64_t item_heads = heads_per_item * group;  // query heads of one item
-    std::vector<float> qf(item_heads * head_dim), acc(item_heads * head_dim), buffer(block_size * head_dim), scores;
+    std::vector<float> qf(item_heads * head_dim), acc(item_heads * head_dim), buffer(block_size * head_dim),
+        inv_sum(item_heads), scores;
     for (int64_t worker = begin; worker < end; ++worker) {
       for (const int64_t item : plan[worker]) {
         const int64_t seq = item / splits, kv_head0 = (item % splits) * heads_per_item;
@@ -235,35 +236,31 @@ inline void decode(const float* q, const T* k_cache, const T* v_cache, const int
         const int64_t row_bytes = heads_per_item * head_dim * sizeof(T);  // one token's rows for the item
         const int64_t head_offset = kv_head0 * head_dim;
         scores.resize(item_heads * padded);  // [item_heads, padded]
-        // Pass 1: every key's score, K blocks in order.
-        for (int64_t j = 0; j < num_blocks; ++j) {
-          const int64_t n = std::min(block_size, seq_len - j * block_size);
-          if (j + 1 < num_blocks)
-            prefetch_rows(k_cache + table[j + 1] * block_stride + head_offset, block_size, token_stride, row_bytes);
-          for (int64_t h = 0; h < heads_per_item; ++h) {
-            int64_t stride;
-            const float* k = block_rows(k_cache + table[j] * block_stride + head_offset + h * head_dim, n, head_dim,
-                                        token_stride, buffer.data(), stride);
-            for (int64_t g = h * group; g < (h + 1) * group; ++g)
-              scores_of(qf.data() + g * head_dim, k, stride, n, scores.data() + g * padded + j * block_size);
+        // One half of the cache (K or V), block by block: each kv head's rows as float32, handed with the
+        // block's index to `use(g, rows, stride, n, j)` for every query head g of its group.
+        const auto walk = [&](const T* half, auto&& use) {
+          for (int64_t j = 0; j < num_blocks; ++j) {
+            const int64_t n = std::min(block_size, seq_len - j * block_size);
+            if (j + 1 < num_blocks)
+              prefetch_rows(half + table[j + 1] * block_stride + head_offset, block_size, token_stride, row_bytes);
+            for (int64_t h = 0; h < heads_per_item; ++h) {
+              int64_t stride;
+              const float* rows = block_rows(half + table[j] * block_stride + head_offset + h * head_dim, n,
+                                             head_dim, token_stride, buffer.data(), stride);
+              for (int64_t g = h * group; g < (h + 1) * group; ++g) use(g, rows, stride, n, j);
+            }
           }
-        }
-        std::vector<float> inv_sum(item_heads);
+        };
+        // Pass 1: every key's score.
+        walk(k_cache, [&](int64_t g, const float* k, int64_t stride, int64_t n, int64_t j) {
+          scores_of(qf.data() + g * head_dim, k, stride, n, scores.data() + g * padded + j * block_size);
+        });
         for (int64_t g = 0; g < item_heads; ++g) inv_sum[g] = softmax_row(scores.data() + g * padded, seq_len);
-        // Pass 2: the probability-weighted values, V blocks in order.
+        // Pass 2: the probability-weighted values.
         std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t j = 0; j < num_blocks; ++j) {
-          const int64_t n = std::min(block_size, seq_len - j * block_size);
-          if (j + 1 < num_blocks)
-            prefetch_rows(v_cache + table[j + 1] * block_stride + head_offset, block_size, token_stride, row_bytes);
-          for (int64_t h = 0; h < heads_per_item; ++h) {
-            int64_t stride;
-            const float* v = block_rows(v_cache + table[j] * block_stride + head_offset + h * head_dim, n, head_dim,
-                                        token_stride, buffer.data(), stride);
-            for (int64_t g = h * group; g < (h + 1) * group; ++g)
-              accumulate(acc.data() + g * head_dim, scores.data() + g * padded + j * block_size, v, stride, n);
-          }
-        }
+        walk(v_cache, [&](int64_t g, const float* v, int64_t stride, int64_t n, int64_t j) {
+          accumulate(acc.data() + g * head_dim, scores.data() + g * padded + j * block_size, v, stride, n);
+        });
         for (int64_t g = 0; g < item_heads; ++g)
           for (int64_t d = 0; d < head_dim; ++d) out_item[g * head_dim + d] = acc[g * head_dim + d] * inv_sum[g];
       }
