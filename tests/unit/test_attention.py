@@ -83,3 +83,41 @@ def test_cpp_decode_kernel_rejects_a_float16_cache() -> None:
     q, _, _, cache, meta = mixed_batch(torch.float32)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         kernels(q[:2].contiguous(), cache.half(), meta.block_tables[:2], meta.seq_lens[:2], D**-0.5)
+
+
+def _gathered_reference(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """Decode attention in float64 over each sequence's gathered cache rows.  q: [B, Hq, D] -> [B, Hq, D]."""
+    block = cache.shape[2]
+    group = q.shape[1] // cache.shape[3]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b, n in enumerate(lens.tolist()):
+        if n <= 0:
+            continue
+        slots = tables[b, torch.arange(n) // block].long() * block + torch.arange(n) % block
+        k = cache[0].flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        v = cache[1].flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[b].double() * scale, k), dim=-1)
+        out[b] = torch.einsum("hn,nhd->hd", p, v)
+    return out
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 64), (8, 4, 128), (8, 2, 36)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_seqs", [2, 11])
+def test_cpp_decode_kernel_over_head_layouts(num_heads: int, num_kv_heads: int, head_dim: int,
+                                             cache_dtype: torch.dtype, num_seqs: int) -> None:
+    # GQA groups of 3, 7 (read in passes of 3 + 3 + 1 heads), 2 and 4 (3 + 1); head_dim 36 takes the portable
+    # loops; 2 sequences split the work by kv head, 11 by sequence; lengths cover partial blocks and 0.
+    kernels = SDPABackend(torch.device("cpu"))._paged_decode
+    gen = torch.Generator().manual_seed(num_heads * head_dim + num_seqs)
+    num_blocks, block = 96, 16
+    lens = torch.randint(1, 70, (num_seqs,), generator=gen, dtype=torch.int32)
+    lens[-1] = 0 if num_seqs > 2 else 33
+    tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * 5].view(num_seqs, 5).to(torch.int32)
+    cache = torch.randn(2, num_blocks, block, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=gen)
+    got = kernels(q, cache, tables, lens, head_dim**-0.5)
+    expected = _gathered_reference(q, cache, tables, lens, head_dim**-0.5)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    assert (got.double() - expected).abs().max().item() < 1e-5

@@ -11,8 +11,10 @@
 //   the row's (x[k], x[k+1]) and adds them, 16 multiply-adds per instruction with no conversion of
 //   the weights to float. For that, activation rows are quantized to int16 per row (scale
 //   max|x| / 32767: an error of at most 1.5e-5 of the row's largest value, far below the int8
-//   weights' own). bf16 panels are widened to float32 once per row block from kPrewidenRows rows on,
-//   and from kDequantizeRows rows on (prefill) both kinds are dequantized for a dense float32 GEMM.
+//   weights' own). bf16 panels are widened in registers inside every tile (a shift and a mask per 16
+//   weights: cheaper than a trip through a widened float32 copy of the panel, measured up to 96
+//   rows), and from kDequantizeRows rows on (prefill) both kinds are dequantized for a dense float32
+//   GEMM.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -37,7 +39,6 @@ namespace tokenmill::gemm {
 constexpr int64_t kPanel = 16;  // output channels per panel
 constexpr int64_t kRows = 6;    // activation rows per register tile (12 accumulators)
 constexpr int64_t kRowBlock = 96;  // activation rows kept hot (L2) while all panels stream past
-constexpr int64_t kPrewidenRows = 16;  // from this many rows on, widen each panel once per row block
 constexpr int64_t kDequantizeRows = 512;  // from this many rows on, a dense float32 GEMM (see dense_linear)
 
 constexpr int64_t kFlushPairs = 128;  // int32 sums gain <= 2 * 127 * 32767 per k pair: flush well before 2^31
@@ -52,7 +53,6 @@ inline float weight_at(const uint16_t* panel, int64_t k, int64_t c) {  // bf16 i
 inline float weight_at(const int8_t* panel, int64_t k, int64_t c) {
   return static_cast<float>(panel[(k / 2) * 2 * kPanel + 2 * c + (k % 2)]);
 }
-inline float weight_at(const float* panel, int64_t k, int64_t c) { return panel[k * kPanel + c]; }  // widened
 
 #ifdef TM_AVX2
 // One k step of a panel -> channels 0-7 and 8-15 as float32.
@@ -60,10 +60,6 @@ inline void widen16(const uint16_t* w, __m256& lo, __m256& hi) {  // interleaved
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
   lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
   hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-inline void widen16(const float* w, __m256& lo, __m256& hi) {  // a panel widened beforehand
-  lo = _mm256_loadu_ps(w);
-  hi = _mm256_loadu_ps(w + 8);
 }
 
 // One register tile: MR activation rows x 16 output channels, over all of K. With few rows the
@@ -378,9 +374,6 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
   const float* sp = scale.data_ptr<float>();
   const float* bp = bias.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // With many rows, widening the weights inside every tile costs more than the FMAs it feeds: each
-  // panel is widened once per row block into a float buffer (L2-resident) that the tiles read.
-  const bool prewiden = M >= kPrewidenRows;
 #ifdef TM_AVX2
   if constexpr (std::is_same_v<W, int8_t>) {  // integer multiply-adds never widen the weights
     const Int16Rows q = quantize_rows(xp, M, K, KP);
@@ -394,20 +387,12 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const int64_t m1 = std::min(M, m0 + kRowBlock);
     at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> widened(prewiden ? K * kPanel : 0);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanel, num_cols = std::min(kPanel, N - n0);
         const W* panel = wp + p * KP * kPanel;
-        if (prewiden)  // in channel order
-          for (int64_t k = 0; k < K; ++k)
-            for (int64_t c = 0; c < kPanel; ++c) widened[k * kPanel + c] = weight_at(panel, k, c);
-        for (int64_t m = m0; m < m1; m += kRows) {
-          const int64_t mr = std::min(kRows, m1 - m);
-          if (prewiden)
-            panel_rows(xp + m * K, K, mr, widened.data(), K, sp + n0, bp + n0, yp + m * N + n0, N, num_cols);
-          else
-            panel_rows(xp + m * K, K, mr, panel, K, sp + n0, bp + n0, yp + m * N + n0, N, num_cols);
-        }
+        for (int64_t m = m0; m < m1; m += kRows)
+          panel_rows(xp + m * K, K, std::min(kRows, m1 - m), panel, K, sp + n0, bp + n0, yp + m * N + n0, N,
+                     num_cols);
       }
     });
   }

@@ -4,8 +4,9 @@
 // Two passes per sequence: the scores of every cached key (reading the K blocks), one softmax over
 // them, then the weighted sum of the values (reading the V blocks). Each pass streams one half of the
 // cache block after block, and the softmax runs once over whole rows instead of once per block. The
-// cache holds float32 or bf16 (half the bytes: decode attention is bound by reading the cache); a
-// block's bf16 rows are widened to float32 once, in L1, and shared by all query heads of the group.
+// cache holds float32 or bf16 (half the bytes: decode attention is bound by reading the cache). Each
+// cache row is loaded (and bf16 widened) in registers once for up to three query heads of its GQA
+// group, with no copy through a buffer.
 #pragma once
 
 #include <torch/extension.h>
@@ -29,30 +30,50 @@ namespace tokenmill::attn {
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
 
+// Up to this many query heads of a GQA group are served by one read of a block's rows: with four
+// keys (or 32 value columns) at a time their accumulators fill 12 of AVX2's 16 registers.
+constexpr int64_t kHeadsPerPass = 3;
+// Blocks requested ahead of the one being read: the blocks lie scattered over the pool, beyond the
+// hardware prefetcher's reach, and one block's work is shorter than a trip to memory.
+constexpr int64_t kPrefetchBlocks = 2;
+
 // ---------------------------------------------------------------- the inner loops, portable
-// scores[t] = q . k[t] for the n keys of one block.
-inline void block_scores(const float* q, const float* k, int64_t k_stride, int64_t n, int64_t head_dim,
-                         float* scores) {
-  for (int64_t t = 0; t < n; ++t) {
-    float s = 0.0f;
-    for (int64_t d = 0; d < head_dim; ++d) s += q[d] * k[t * k_stride + d];
-    scores[t] = s;
-  }
+// scores[g][t] = q[g] . k[t] for the n keys of one block and the `heads` query heads of q.
+template <typename T>
+inline void block_scores(const float* q, int64_t heads, const T* k, int64_t k_stride, int64_t n, int64_t head_dim,
+                         float* scores, int64_t scores_stride) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t g = 0; g < heads; ++g) {
+      float s = 0.0f;
+      for (int64_t d = 0; d < head_dim; ++d) s += q[g * head_dim + d] * to_float(k[t * k_stride + d]);
+      scores[g * scores_stride + t] = s;
+    }
 }
 
-// acc += sum_t p[t] * v[t].
-inline void block_accumulate(float* acc, const float* p, const float* v, int64_t v_stride, int64_t n,
-                             int64_t head_dim) {
+// acc[g] += sum_t p[g][t] * v[t].
+template <typename T>
+inline void block_accumulate(float* acc, int64_t heads, const float* p, int64_t p_stride, const T* v,
+                             int64_t v_stride, int64_t n, int64_t head_dim) {
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t d = 0; d < head_dim; ++d) acc[d] += p[t] * v[t * v_stride + d];
+    for (int64_t g = 0; g < heads; ++g)
+      for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] += p[g * p_stride + t] * to_float(v[t * v_stride + d]);
 }
 
 // p[t] <- exp(p[t] - max(p)) over a whole row; returns 1 / sum.
 inline float softmax_row(float* p, int64_t n) {
   float max = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < n; ++t) max = std::max(max, p[t]);
-  float sum = 0.0f;
   int64_t t = 0;
+#ifdef TM_ATTN_AVX2
+  // Eight running maxima: a scalar max is a chain of dependent instructions, slower than the exps.
+  __m256 lane_max = _mm256_set1_ps(max);
+  for (; t + 8 <= n; t += 8) lane_max = _mm256_max_ps(lane_max, _mm256_loadu_ps(p + t));
+  alignas(32) float maxima[8];
+  _mm256_store_ps(maxima, lane_max);
+  for (const float m : maxima) max = std::max(max, m);
+#endif
+  for (; t < n; ++t) max = std::max(max, p[t]);
+  float sum = 0.0f;
+  t = 0;
 #ifdef TM_ATTN_AVX2
   const __m256 m = _mm256_set1_ps(max);
   __m256 acc = _mm256_setzero_ps();
@@ -74,11 +95,17 @@ inline float softmax_row(float* p, int64_t n) {
 
 #ifdef TM_ATTN_AVX2
 // ---------------------------------------------------------------- AVX2 versions (head_dim % 8 == 0)
-// Eight vectors in, one out: lane j holds the sum of the lanes of v[j].
-inline __m256 sum_lanes8(const __m256* v) {
-  const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+// Eight cache values as float32; a bf16 is the top half of a float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Four vectors in, one out: lane j holds the sum of the lanes of v[j].
+inline __m128 sum_lanes4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(v0, v1), _mm256_hadd_ps(v2, v3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
 inline float sum_lanes(__m256 v) {
@@ -88,80 +115,64 @@ inline float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
-inline void block_scores_avx2(const float* q, const float* k, int64_t k_stride, int64_t n, int64_t head_dim,
-                              float* scores) {
+// The scores of H query heads against the n keys of one block, four keys at a time: each key row is
+// loaded (and widened) once for all H heads, straight from the cache.
+template <int H, typename T>
+inline void block_scores_avx2(const float* q, const T* k, int64_t k_stride, int64_t n, int64_t head_dim,
+                              float* scores, int64_t scores_stride) {
   int64_t t = 0;
-  for (; t + 8 <= n; t += 8) {  // eight keys at a time, reduced together
-    __m256 acc[8];
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < head_dim; d += 8) {
-      const __m256 qd = _mm256_loadu_ps(q + d);
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + (t + j) * k_stride + d), acc[j]);
-    }
-    _mm256_storeu_ps(scores + t, sum_lanes8(acc));
+  for (; t + 4 <= n; t += 4) {
+    __m256 acc[H][4];
+    for (int g = 0; g < H; ++g)
+      for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 8)
+      for (int j = 0; j < 4; ++j) {
+        const __m256 kj = load8(k + (t + j) * k_stride + d);
+        for (int g = 0; g < H; ++g) acc[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + d), kj, acc[g][j]);
+      }
+    for (int g = 0; g < H; ++g)
+      _mm_storeu_ps(scores + g * scores_stride + t, sum_lanes4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
   }
   for (; t < n; ++t) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < head_dim; d += 8)
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + t * k_stride + d), acc);
-    scores[t] = sum_lanes(acc);
+    __m256 acc[H];
+    for (int g = 0; g < H; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 8) {
+      const __m256 kt = load8(k + t * k_stride + d);
+      for (int g = 0; g < H; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + d), kt, acc[g]);
+    }
+    for (int g = 0; g < H; ++g) scores[g * scores_stride + t] = sum_lanes(acc[g]);
   }
 }
 
-inline void block_accumulate_avx2(float* acc, const float* p, const float* v, int64_t v_stride, int64_t n,
-                                  int64_t head_dim) {
+// acc[g][d0, d0 + 8C) += sum_t p[g][t] * v[t][d0, d0 + 8C) for H heads: the accumulators stay in
+// registers across the block and each value row is loaded (and widened) once for all H heads.
+template <int H, int C, typename T>
+inline void accumulate_columns(float* acc, const float* p, int64_t p_stride, const T* v, int64_t v_stride,
+                               int64_t n, int64_t head_dim, int64_t d0) {
+  __m256 a[H][C];
+  for (int g = 0; g < H; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm256_loadu_ps(acc + g * head_dim + d0 + 8 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* vt = v + t * v_stride + d0;
+    for (int c = 0; c < C; ++c) {
+      const __m256 vc = load8(vt + 8 * c);
+      for (int g = 0; g < H; ++g) a[g][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * p_stride + t), vc, a[g][c]);
+    }
+  }
+  for (int g = 0; g < H; ++g)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + g * head_dim + d0 + 8 * c, a[g][c]);
+}
+
+template <int H, typename T>
+inline void block_accumulate_avx2(float* acc, const float* p, int64_t p_stride, const T* v, int64_t v_stride,
+                                  int64_t n, int64_t head_dim) {
   int64_t d0 = 0;
-  // 64 columns at a time: eight independent accumulators stay in registers across the block, so the
-  // FMAs of one token do not wait on each other.
-  for (; d0 + 64 <= head_dim; d0 += 64) {
-    __m256 a[8];
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_loadu_ps(acc + d0 + 8 * j);
-    for (int64_t t = 0; t < n; ++t) {
-      const __m256 pt = _mm256_broadcast_ss(p + t);
-      const float* vt = v + t * v_stride + d0;
-      for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * j), a[j]);
-    }
-    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(acc + d0 + 8 * j, a[j]);
-  }
-  for (; d0 < head_dim; d0 += 8) {
-    __m256 a = _mm256_loadu_ps(acc + d0);
-    for (int64_t t = 0; t < n; ++t)
-      a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_loadu_ps(v + t * v_stride + d0), a);
-    _mm256_storeu_ps(acc + d0, a);
-  }
-}
-
-// Eight bf16 values -> float32: a bf16 is the top half of a float32.
-inline __m256 widen_bf16(const at::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  for (; d0 + 32 <= head_dim; d0 += 32) accumulate_columns<H, 4>(acc, p, p_stride, v, v_stride, n, head_dim, d0);
+  for (; d0 < head_dim; d0 += 8) accumulate_columns<H, 1>(acc, p, p_stride, v, v_stride, n, head_dim, d0);
 }
 #endif
 
-// One kv head's rows of a block as float32 [n][head_dim] with stride `stride`: float cache rows in
-// place, bf16 rows widened into `buffer` (L1-resident, read again by every query head of the group).
-template <typename T>
-inline const float* block_rows(const T* src, int64_t n, int64_t head_dim, int64_t token_stride, float* buffer,
-                               int64_t& stride) {
-  if constexpr (std::is_same_v<T, float>) {
-    stride = token_stride;
-    return src;
-  } else {
-    for (int64_t t = 0; t < n; ++t) {
-      int64_t d = 0;
-#ifdef TM_ATTN_AVX2
-      for (; d + 8 <= head_dim; d += 8)
-        _mm256_storeu_ps(buffer + t * head_dim + d, widen_bf16(src + t * token_stride + d));
-#endif
-      for (; d < head_dim; ++d) buffer[t * head_dim + d] = to_float(src[t * token_stride + d]);
-    }
-    stride = head_dim;
-    return buffer;
-  }
-}
-
-// The item's rows of the next block: the blocks are scattered over the pool, beyond the reach of
-// the hardware prefetcher.
+// An item's rows of one block, requested ahead of their use (see kPrefetchBlocks).
 template <typename T>
 inline void prefetch_rows(const T* first, int64_t block_size, int64_t token_stride, int64_t row_bytes) {
   for (int64_t t = 0; t < block_size; ++t)
@@ -200,17 +211,26 @@ inline void decode(const float* q, const T* k_cache, const T* v_cache, const int
 #ifdef TM_ATTN_AVX2
   const bool vectorized = head_dim % 8 == 0;
 #endif
-  const auto scores_of = [&](const float* qg, const float* k, int64_t stride, int64_t n, float* s) {
+  // The scores of query heads q[0, heads) against one block's keys; heads <= kHeadsPerPass.
+  const auto scores_of = [&](const float* qg, int64_t heads, const T* k, int64_t n, float* s, int64_t s_stride) {
 #ifdef TM_ATTN_AVX2
-    if (vectorized) return block_scores_avx2(qg, k, stride, n, head_dim, s);
+    if (vectorized) {
+      if (heads == 3) return block_scores_avx2<3>(qg, k, token_stride, n, head_dim, s, s_stride);
+      if (heads == 2) return block_scores_avx2<2>(qg, k, token_stride, n, head_dim, s, s_stride);
+      return block_scores_avx2<1>(qg, k, token_stride, n, head_dim, s, s_stride);
+    }
 #endif
-    block_scores(qg, k, stride, n, head_dim, s);
+    block_scores(qg, heads, k, token_stride, n, head_dim, s, s_stride);
   };
-  const auto accumulate = [&](float* acc, const float* p, const float* v, int64_t stride, int64_t n) {
+  const auto accumulate = [&](float* acc, int64_t heads, const float* p, int64_t p_stride, const T* v, int64_t n) {
 #ifdef TM_ATTN_AVX2
-    if (vectorized) return block_accumulate_avx2(acc, p, v, stride, n, head_dim);
+    if (vectorized) {
+      if (heads == 3) return block_accumulate_avx2<3>(acc, p, p_stride, v, token_stride, n, head_dim);
+      if (heads == 2) return block_accumulate_avx2<2>(acc, p, p_stride, v, token_stride, n, head_dim);
+      return block_accumulate_avx2<1>(acc, p, p_stride, v, token_stride, n, head_dim);
+    }
 #endif
-    block_accumulate(acc, p, v, stride, n, head_dim);
+    block_accumulate(acc, heads, p, p_stride, v, token_stride, n, head_dim);
   };
   // Work items are sequences; with few sequences, (sequence, kv head) pairs, so every thread has work.
   const int64_t splits = num_seqs >= 4 * at::get_num_threads() ? 1 : num_kv_heads;
@@ -218,8 +238,7 @@ inline void decode(const float* q, const T* k_cache, const T* v_cache, const int
   const std::vector<std::vector<int64_t>> plan = balance(seq_lens, num_seqs, splits, block_size);
   at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {
     const int64_t item_heads = heads_per_item * group;  // query heads of one item
-    std::vector<float> qf(item_heads * head_dim), acc(item_heads * head_dim), buffer(block_size * head_dim),
-        inv_sum(item_heads), scores;
+    std::vector<float> qf(item_heads * head_dim), acc(item_heads * head_dim), inv_sum(item_heads), scores;
     for (int64_t worker = begin; worker < end; ++worker) {
       for (const int64_t item : plan[worker]) {
         const int64_t seq = item / splits, kv_head0 = (item % splits) * heads_per_item;
@@ -236,30 +255,33 @@ inline void decode(const float* q, const T* k_cache, const T* v_cache, const int
         const int64_t row_bytes = heads_per_item * head_dim * sizeof(T);  // one token's rows for the item
         const int64_t head_offset = kv_head0 * head_dim;
         scores.resize(item_heads * padded);  // [item_heads, padded]
-        // One half of the cache (K or V), block by block: each kv head's rows as float32, handed with the
-        // block's index to `use(g, rows, stride, n, j)` for every query head g of its group.
+        // One half of the cache (K or V), block by block, prefetching ahead: each kv head's rows of block j
+        // are handed to `use(g0, heads, rows, n, j)` once per pass over query heads [g0, g0 + heads) of its group.
         const auto walk = [&](const T* half, auto&& use) {
+          const auto prefetch = [&](int64_t j) {
+            if (j < num_blocks)
+              prefetch_rows(half + table[j] * block_stride + head_offset, block_size, token_stride, row_bytes);
+          };
+          for (int64_t j = 0; j < kPrefetchBlocks; ++j) prefetch(j);
           for (int64_t j = 0; j < num_blocks; ++j) {
+            prefetch(j + kPrefetchBlocks);
             const int64_t n = std::min(block_size, seq_len - j * block_size);
-            if (j + 1 < num_blocks)
-              prefetch_rows(half + table[j + 1] * block_stride + head_offset, block_size, token_stride, row_bytes);
             for (int64_t h = 0; h < heads_per_item; ++h) {
-              int64_t stride;
-              const float* rows = block_rows(half + table[j] * block_stride + head_offset + h * head_dim, n,
-                                             head_dim, token_stride, buffer.data(), stride);
-              for (int64_t g = h * group; g < (h + 1) * group; ++g) use(g, rows, stride, n, j);
+              const T* rows = half + table[j] * block_stride + head_offset + h * head_dim;
+              for (int64_t g0 = h * group; g0 < (h + 1) * group; g0 += kHeadsPerPass)
+                use(g0, std::min(kHeadsPerPass, (h + 1) * group - g0), rows, n, j);
             }
           }
         };
         // Pass 1: every key's score.
-        walk(k_cache, [&](int64_t g, const float* k, int64_t stride, int64_t n, int64_t j) {
-          scores_of(qf.data() + g * head_dim, k, stride, n, scores.data() + g * padded + j * block_size);
+        walk(k_cache, [&](int64_t g0, int64_t heads, const T* k, int64_t n, int64_t j) {
+          scores_of(qf.data() + g0 * head_dim, heads, k, n, scores.data() + g0 * padded + j * block_size, padded);
         });
         for (int64_t g = 0; g < item_heads; ++g) inv_sum[g] = softmax_row(scores.data() + g * padded, seq_len);
         // Pass 2: the probability-weighted values.
         std::fill(acc.begin(), acc.end(), 0.0f);
-        walk(v_cache, [&](int64_t g, const float* v, int64_t stride, int64_t n, int64_t j) {
-          accumulate(acc.data() + g * head_dim, scores.data() + g * padded + j * block_size, v, stride, n);
+        walk(v_cache, [&](int64_t g0, int64_t heads, const T* v, int64_t n, int64_t j) {
+          accumulate(acc.data() + g0 * head_dim, heads, scores.data() + g0 * padded + j * block_size, padded, v, n);
         });
         for (int64_t g = 0; g < item_heads; ++g)
           for (int64_t d = 0; d < head_dim; ++d) out_item[g * head_dim + d] = acc[g * head_dim + d] * inv_sum[g];
