@@ -36,6 +36,10 @@ constexpr int64_t kHeadsPerPass = 3;
 // Blocks requested ahead of the one being read: the blocks lie scattered over the pool, beyond the
 // hardware prefetcher's reach, and one block's work is shorter than a trip to memory.
 constexpr int64_t kPrefetchBlocks = 2;
+// The key pass reads a block four tokens (all kv heads) at a time, in address order, which lets the
+// hardware prefetcher run ahead where blocks lie side by side (1.2-1.3x from memory against head by
+// head); the value pass keeps head by head over whole blocks, where its accumulators stay in registers.
+constexpr int64_t kKeyRows = 4;
 
 // ---------------------------------------------------------------- the inner loops, portable
 // scores[g][t] = q[g] . k[t] for the n keys of one block and the `heads` query heads of q.
@@ -255,9 +259,10 @@ inline void decode(const float* q, const T* k_cache, const T* v_cache, const int
         const int64_t row_bytes = heads_per_item * head_dim * sizeof(T);  // one token's rows for the item
         const int64_t head_offset = kv_head0 * head_dim;
         scores.resize(item_heads * padded);  // [item_heads, padded]
-        // One half of the cache (K or V), block by block, prefetching ahead: each kv head's rows of block j
-        // are handed to `use(g0, heads, rows, n, j)` once per pass over query heads [g0, g0 + heads) of its group.
-        const auto walk = [&](const T* half, auto&& use) {
+        // One half of the cache (K or V), block by block, prefetching ahead, `step` tokens at a time: each kv
+        // head's rows of tokens [t, t + n) are handed to `use(g0, heads, rows, n, t)` once per pass over
+        // query heads [g0, g0 + heads) of its group.
+        const auto walk = [&](const T* half, int64_t step, auto&& use) {
           const auto prefetch = [&](int64_t j) {
             if (j < num_blocks)
               prefetch_rows(half + table[j] * block_stride + head_offset, block_size, token_stride, row_bytes);
@@ -266,22 +271,24 @@ inline void decode(const float* q, const T* k_cache, const T* v_cache, const int
           for (int64_t j = 0; j < num_blocks; ++j) {
             prefetch(j + kPrefetchBlocks);
             const int64_t n = std::min(block_size, seq_len - j * block_size);
-            for (int64_t h = 0; h < heads_per_item; ++h) {
-              const T* rows = half + table[j] * block_stride + head_offset + h * head_dim;
-              for (int64_t g0 = h * group; g0 < (h + 1) * group; g0 += kHeadsPerPass)
-                use(g0, std::min(kHeadsPerPass, (h + 1) * group - g0), rows, n, j);
-            }
+            for (int64_t t0 = 0; t0 < n; t0 += step)
+              for (int64_t h = 0; h < heads_per_item; ++h) {
+                const T* rows = half + table[j] * block_stride + t0 * token_stride + head_offset + h * head_dim;
+                for (int64_t g0 = h * group; g0 < (h + 1) * group; g0 += kHeadsPerPass)
+                  use(g0, std::min(kHeadsPerPass, (h + 1) * group - g0), rows, std::min(step, n - t0),
+                      j * block_size + t0);
+              }
           }
         };
         // Pass 1: every key's score.
-        walk(k_cache, [&](int64_t g0, int64_t heads, const T* k, int64_t n, int64_t j) {
-          scores_of(qf.data() + g0 * head_dim, heads, k, n, scores.data() + g0 * padded + j * block_size, padded);
+        walk(k_cache, kKeyRows, [&](int64_t g0, int64_t heads, const T* k, int64_t n, int64_t t) {
+          scores_of(qf.data() + g0 * head_dim, heads, k, n, scores.data() + g0 * padded + t, padded);
         });
         for (int64_t g = 0; g < item_heads; ++g) inv_sum[g] = softmax_row(scores.data() + g * padded, seq_len);
         // Pass 2: the probability-weighted values.
         std::fill(acc.begin(), acc.end(), 0.0f);
-        walk(v_cache, [&](int64_t g0, int64_t heads, const T* v, int64_t n, int64_t j) {
-          accumulate(acc.data() + g0 * head_dim, heads, scores.data() + g0 * padded + j * block_size, padded, v, n);
+        walk(v_cache, block_size, [&](int64_t g0, int64_t heads, const T* v, int64_t n, int64_t t) {
+          accumulate(acc.data() + g0 * head_dim, heads, scores.data() + g0 * padded + t, padded, v, n);
         });
         for (int64_t g = 0; g < item_heads; ++g)
           for (int64_t d = 0; d < head_dim; ++d) out_item[g * head_dim + d] = acc[g * head_dim + d] * inv_sum[g];
