@@ -33,8 +33,8 @@ inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
 // Up to this many query heads of a GQA group are served by one read of a block's rows: with four
 // keys (or 32 value columns) at a time their accumulators fill 12 of AVX2's 16 registers.
 constexpr int64_t kHeadsPerPass = 3;
-// Blocks requested ahead of the one being read: the blocks lie scattered over the pool, beyond the
-// hardware prefetcher's reach, and one block's work is shorter than a trip to memory.
+// Blocks requested ahead of the one being read: blocks may lie anywhere in the pool, where the
+// hardware prefetcher cannot follow, and one block's work is shorter than a trip to memory.
 constexpr int64_t kPrefetchBlocks = 2;
 // With many sequences (the cache is read from memory), the key pass reads a block four tokens (all
 // kv heads) at a time, in address order, which lets the hardware prefetcher run ahead where blocks
@@ -44,7 +44,7 @@ constexpr int64_t kPrefetchBlocks = 2;
 constexpr int64_t kKeyRows = 4;
 
 // ---------------------------------------------------------------- the inner loops, portable
-// scores[g][t] = q[g] . k[t] for the n keys of one block and the `heads` query heads of q.
+// scores[g][t] = q[g] . k[t] for n keys of one block and the `heads` query heads of q.
 template <typename T>
 inline void block_scores(const float* q, int64_t heads, const T* k, int64_t k_stride, int64_t n, int64_t head_dim,
                          float* scores, int64_t scores_stride) {
@@ -62,7 +62,8 @@ inline void block_accumulate(float* acc, int64_t heads, const float* p, int64_t 
                              int64_t v_stride, int64_t n, int64_t head_dim) {
   for (int64_t t = 0; t < n; ++t)
     for (int64_t g = 0; g < heads; ++g)
-      for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] += p[g * p_stride + t] * to_float(v[t * v_stride + d]);
+      for (int64_t d = 0; d < head_dim; ++d)
+        acc[g * head_dim + d] += p[g * p_stride + t] * to_float(v[t * v_stride + d]);
 }
 
 // p[t] <- exp(p[t] - max(p)) over a whole row; returns 1 / sum.
@@ -121,7 +122,7 @@ inline float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
-// The scores of H query heads against the n keys of one block, four keys at a time: each key row is
+// The scores of H query heads against n keys of one block, four keys at a time: each key row is
 // loaded (and widened) once for all H heads, straight from the cache.
 template <int H, typename T>
 inline void block_scores_avx2(const float* q, const T* k, int64_t k_stride, int64_t n, int64_t head_dim,
@@ -176,6 +177,16 @@ inline void block_accumulate_avx2(float* acc, const float* p, int64_t p_stride, 
   for (; d0 + 32 <= head_dim; d0 += 32) accumulate_columns<H, 4>(acc, p, p_stride, v, v_stride, n, head_dim, d0);
   for (; d0 < head_dim; d0 += 8) accumulate_columns<H, 1>(acc, p, p_stride, v, v_stride, n, head_dim, d0);
 }
+
+// Calls f(std::integral_constant<int, heads>) for heads in [1, kHeadsPerPass]: the AVX2 loops keep
+// one register set per head, so the head count is a template argument.
+template <typename F>
+inline void with_heads(int64_t heads, F&& f) {
+  static_assert(kHeadsPerPass == 3);
+  if (heads == 3) return f(std::integral_constant<int, 3>{});
+  if (heads == 2) return f(std::integral_constant<int, 2>{});
+  f(std::integral_constant<int, 1>{});
+}
 #endif
 
 // An item's rows of one block, requested ahead of their use (see kPrefetchBlocks).
@@ -220,21 +231,19 @@ inline void decode(const float* q, const T* k_cache, const T* v_cache, const int
   // The scores of query heads q[0, heads) against one block's keys; heads <= kHeadsPerPass.
   const auto scores_of = [&](const float* qg, int64_t heads, const T* k, int64_t n, float* s, int64_t s_stride) {
 #ifdef TM_ATTN_AVX2
-    if (vectorized) {
-      if (heads == 3) return block_scores_avx2<3>(qg, k, token_stride, n, head_dim, s, s_stride);
-      if (heads == 2) return block_scores_avx2<2>(qg, k, token_stride, n, head_dim, s, s_stride);
-      return block_scores_avx2<1>(qg, k, token_stride, n, head_dim, s, s_stride);
-    }
+    if (vectorized)
+      return with_heads(heads, [&](auto h) {
+        block_scores_avx2<h()>(qg, k, token_stride, n, head_dim, s, s_stride);
+      });
 #endif
     block_scores(qg, heads, k, token_stride, n, head_dim, s, s_stride);
   };
   const auto accumulate = [&](float* acc, int64_t heads, const float* p, int64_t p_stride, const T* v, int64_t n) {
 #ifdef TM_ATTN_AVX2
-    if (vectorized) {
-      if (heads == 3) return block_accumulate_avx2<3>(acc, p, p_stride, v, token_stride, n, head_dim);
-      if (heads == 2) return block_accumulate_avx2<2>(acc, p, p_stride, v, token_stride, n, head_dim);
-      return block_accumulate_avx2<1>(acc, p, p_stride, v, token_stride, n, head_dim);
-    }
+    if (vectorized)
+      return with_heads(heads, [&](auto h) {
+        block_accumulate_avx2<h()>(acc, p, p_stride, v, token_stride, n, head_dim);
+      });
 #endif
     block_accumulate(acc, heads, p, p_stride, v, token_stride, n, head_dim);
   };
