@@ -27,11 +27,15 @@
 #include <type_traits>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define TM_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#define TM_AVX512 1  // bf16 and int16 dot products: packed_gemm_avx512.h
+#endif
 #endif
 
 namespace tokenmill::gemm {
@@ -312,6 +316,26 @@ inline void int8_small(const Int16Rows& q, int64_t M, const int8_t* wp, int64_t 
 }
 #endif
 
+}  // namespace tokenmill::gemm
+
+#ifdef TM_AVX512
+#include "packed_gemm_avx512.h"
+#endif
+
+namespace tokenmill::gemm {
+
+// Which kernels this build runs: "avx512" (bf16 activations rounded to bf16, dot products at every
+// row count), "avx2" (float32 arithmetic) or "scalar".
+inline std::string isa() {
+#if defined(TM_AVX512)
+  return "avx512";
+#elif defined(TM_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 // Scalar fallback (no AVX2/FMA at build time): same packed layout, same results up to rounding.
 template <typename W>
 void rows_scalar(const float* x, int64_t ldx, int64_t mr, const W* panel, int64_t K, const float* scale,
@@ -368,6 +392,9 @@ template <typename W>
 at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const at::Tensor& scale,
                   const at::Tensor& bias, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
+#ifdef TM_AVX512
+  return avx512::linear(x, wp, P, KP, scale, bias, N);
+#endif
   if (M >= kDequantizeRows) return dense_linear(x, wp, P, KP, scale, bias, N);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();

@@ -82,12 +82,13 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def resolve_precision(dtype: str, device: str) -> tuple[str, str | None]:
-    """(arithmetic dtype, weight rounding dtype or None). bf16 asked on a CPU without bf16 instructions,
-    where bf16 GEMMs run several times slower than fp32, becomes bf16-rounded weights with fp32
-    arithmetic: the model's bf16 weights exactly, at fp32 speed (llama.cpp's CPU path does the same)."""
+    """(arithmetic dtype, weight rounding dtype or None). bf16 on a CPU means bf16 weights packed for
+    our C++ GEMM (quant/bf16.py) with float32 activations between the GEMMs (norms, residual stream,
+    attention): on CPUs with AVX-512 BF16 the GEMMs multiply bf16-rounded activations with bf16
+    dot-product instructions (float32 sums), elsewhere they widen the weights to float32 (torch's own
+    bf16 GEMMs run several times slower there; llama.cpp's CPU path does the same)."""
     resolved = resolve_dtype(dtype, device)
-    if resolved == "bfloat16" and device == "cpu" and not cpu_has_bf16():
-        logger.info("this CPU has no bf16 instructions: bf16 weights, float32 arithmetic and KV cache")
+    if resolved == "bfloat16" and device == "cpu":
         return "float32", "bfloat16"
     return resolved, None
 

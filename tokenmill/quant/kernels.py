@@ -34,3 +34,12 @@ def available() -> bool:
         logger.warning("could not build the C++ packed GEMM (%s); packed layers dequantize on the fly", exc)
         return False
     return True
+
+
+def isa() -> str:
+    """What the built GEMM runs: "avx512" (AVX-512 BF16 and VNNI dot products at every row count; bf16
+    layers round their activations to bf16), "avx2" (float32 arithmetic; from 512 rows a widened
+    float32 GEMM), "scalar", or "none" where it could not be built."""
+    import torch
+
+    return str(torch.ops.tokenmill_quant.packed_gemm_isa()) if available() else "none"

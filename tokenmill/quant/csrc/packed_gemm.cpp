@@ -5,6 +5,7 @@
 
 TORCH_LIBRARY(tokenmill_quant, m) {
   m.def("packed_linear(Tensor x, Tensor packed, Tensor scale, Tensor bias, int N) -> Tensor");
+  m.def("packed_gemm_isa() -> str", &tokenmill::gemm::isa);  // "avx512" | "avx2" | "scalar"
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_quant, CPU, m) { m.impl("packed_linear", &tokenmill::gemm::packed_linear); }
