@@ -85,8 +85,8 @@ def test_packed_bf16_weights_decode_like_the_rounded_fp32_weights(
         round_gemm_inputs_to_bf16(rounded)
     want = rounded.generate(prompts, params, use_tqdm=False)
     # With bf16 inputs, a last-bit difference in a float32 sum can round an activation the other way
-    # (one bf16 step): measured up to 2e-3 here, against ~1e-2 with the inputs left in float32.
-    assert_same_greedy(got, want, logprob_tol=5e-3 if isa == "avx512" else 1e-3)
+    # (one bf16 step): measured up to 9e-3, against 4e-2 and other greedy tokens with float32 inputs.
+    assert_same_greedy(got, want, logprob_tol=2e-2 if isa == "avx512" else 1e-3)
 
 
 def test_kv_cache_dtype_auto_is_bf16_under_narrow_weights_on_cpu() -> None:
