@@ -436,7 +436,12 @@ inline at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, c
   const int64_t K = x.size(1), P = packed.size(0), KP = packed.size(1);
   const bool int8 = packed.scalar_type() == at::kChar;
   TORCH_CHECK(int8 || packed.scalar_type() == at::kBFloat16, "packed weights must be int8 or bfloat16");
-  TORCH_CHECK(KP == (int8 ? K + K % 2 : K), "x has ", K, " features, the weight ", KP);
+#ifdef TM_AVX512
+  const bool pairs = true;  // bf16 panels in k pairs too (quant/panels.py)
+#else
+  const bool pairs = int8;
+#endif
+  TORCH_CHECK(KP == (pairs ? K + K % 2 : K), "x has ", K, " features, the weight ", KP);
   TORCH_CHECK(P * kPanel >= N && scale.numel() == P * kPanel && bias.numel() == P * kPanel, "bad scale/bias");
   if (int8) return linear(x, packed.data_ptr<int8_t>(), P, KP, scale, bias, N);
   return linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, KP, scale, bias, N);

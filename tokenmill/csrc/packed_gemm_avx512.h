@@ -3,8 +3,8 @@
 // - bf16 weights: activation rows are rounded to bf16 (to nearest even) once per call, and
 //   vdpbf16ps multiplies each channel's (w[k], w[k+1]) by the row's (x[k], x[k+1]) into float32
 //   sums: 32 multiply-adds per instruction, twice an fp32 FMA's, with no widening of the weights.
-//   The bf16 panel layout is the AVX2 one ([P, K, 16], channels interleaved); one 64-byte load holds
-//   k and k+1 of all 16 channels and one vpermw puts each channel's pair side by side.
+//   The weights are packed in k pairs ([P, K2/2, 16, 2], K2 = K rounded up to even, as int8): one
+//   64-byte load is the operand.
 // - int8 weights: the activation rows' int16 values (see packed_gemm.h) times the sign-extended
 //   weights with vpdpwssd, the integer form of the same pair product (k-pair panels as stored).
 // Every row count runs these tiles (prefill too): they beat widening the weights for a BLAS sgemm.
@@ -27,6 +27,7 @@ namespace tokenmill::gemm::avx512 {
 constexpr int64_t kPanel = 16;     // output channels per panel (as packed_gemm.h)
 constexpr int kRows = 8;           // activation rows per register tile (x 2 panels: 16 accumulators)
 constexpr int64_t kRowBlock = 128;  // activation rows kept hot (L2) while a thread's panels stream past
+constexpr int kStreams = 2;        // weight streams per thread with one activation row
 constexpr int64_t kFlushPairs = 128;  // int32 sums gain <= 2 * 127 * 32767 per k pair: flush well before 2^31
 
 // Independent partial sums per tile so enough dot products are in flight (latency ~6 cycles).
@@ -55,24 +56,11 @@ inline __m512i broadcast_pair(const void* p) {  // one 32-bit (x[k], x[k+1]) pai
 }
 
 // ------------------------------------------------------------------------------- bf16 weights
-// 16-bit lane 2j takes stored position pos(j) (channel j at k), lane 2j+1 takes 16 + pos(j) (at k+1),
-// where the interleaved panels store channel j at pos(j) = 2j (j < 8) or 2(j - 8) + 1.
-inline __m512i pair_permutation() {
-  alignas(64) int16_t idx[32];
-  for (int j = 0; j < 16; ++j) {
-    const int pos = j < 8 ? 2 * j : 2 * (j - 8) + 1;
-    idx[2 * j] = static_cast<int16_t>(pos);
-    idx[2 * j + 1] = static_cast<int16_t>(16 + pos);
-  }
-  return _mm512_load_si512(idx);
-}
-
-// NP panels x MR rows over all of K: out[p][i] holds row i's 16 channels of panel p.
+// NP panels x MR rows over all K2 / 2 pairs: out[p][i] holds row i's 16 channels of panel p.
 template <int NP, int MR>
-inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* const (&panels)[NP], int64_t K,
+inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* const (&panels)[NP], int64_t K2,
                       __m512 (&out)[NP][MR]) {
   constexpr int U = unroll_for(NP * MR);
-  const __m512i perm = pair_permutation();
   __m512 acc[U][NP][MR];
   #pragma GCC unroll 4
   for (int u = 0; u < U; ++u)
@@ -80,13 +68,11 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* const (&pa
     for (int p = 0; p < NP; ++p)
       #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) acc[u][p][i] = _mm512_setzero_ps();
-  const int64_t pairs = K / 2;
-  const auto step = [&](int u, int64_t t, bool last_odd) __attribute__((always_inline)) {
+  const int64_t pairs = K2 / 2;
+  const auto step = [&](int u, int64_t t) __attribute__((always_inline)) {
     #pragma GCC unroll 4
     for (int p = 0; p < NP; ++p) {
-      const uint16_t* w = panels[p] + 2 * t * kPanel;
-      const __m512i raw = last_odd ? _mm512_maskz_loadu_epi16(0xFFFF, w) : _mm512_loadu_si512(w);
-      const __m512bh wv = (__m512bh)_mm512_permutexvar_epi16(perm, raw);
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(panels[p] + 2 * t * kPanel);
       #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         const __m512bh xv = (__m512bh)broadcast_pair(x + i * ldx + 2 * t);
@@ -97,10 +83,9 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* const (&pa
   int64_t t = 0;
   for (; t + U <= pairs; t += U) {
     #pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) step(u, t + u, false);
+    for (int u = 0; u < U; ++u) step(u, t + u);
   }
-  for (; t < pairs; ++t) step(0, t, false);
-  if (K % 2) step(0, pairs, true);  // k = K - 1 alone: its partner is the zero padding of x
+  for (; t < pairs; ++t) step(0, t);
   #pragma GCC unroll 4
   for (int p = 0; p < NP; ++p)
     #pragma GCC unroll 8
@@ -135,8 +120,8 @@ inline void tile_int8(const int16_t* x, int64_t ldx, const int8_t* const (&panel
     const auto step = [&](int u, int64_t t) __attribute__((always_inline)) {
       #pragma GCC unroll 4
       for (int p = 0; p < NP; ++p) {
-        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-            panels[p] + t * 2 * kPanel)));
+        const int8_t* wp = panels[p] + t * 2 * kPanel;
+        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)));
         #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) acc[u][p][i] = _mm512_dpwssd_epi32(acc[u][p][i], broadcast_pair(x + i * ldx + 2 * t), w);
       }
@@ -171,7 +156,7 @@ template <typename W>
 struct Problem {
   const W* weights;       // packed panels
   int64_t panel_stride;   // elements per panel (K or K2 times 16)
-  int64_t K;              // bf16: x's features; int8: K2 (even)
+  int64_t K2;             // x's features rounded up to even (the panels' k pairs)
   const void* x;          // bf16 rows (uint16_t) or int16 rows, [M, ldx]
   int64_t ldx;
   const float* row_scales;  // int8: one per row; bf16: nullptr (1)
@@ -187,9 +172,9 @@ inline void run_tile(const Problem<W>& pr, int64_t m, const int64_t (&panel)[NP]
   const W* panels[NP];
   for (int p = 0; p < NP; ++p) panels[p] = pr.weights + panel[p] * pr.panel_stride;
   if constexpr (std::is_same_v<W, uint16_t>)
-    tile_bf16<NP, MR>(static_cast<const uint16_t*>(pr.x) + m * pr.ldx, pr.ldx, panels, pr.K, out);
+    tile_bf16<NP, MR>(static_cast<const uint16_t*>(pr.x) + m * pr.ldx, pr.ldx, panels, pr.K2, out);
   else
-    tile_int8<NP, MR>(static_cast<const int16_t*>(pr.x) + m * pr.ldx, pr.ldx, panels, pr.K, out);
+    tile_int8<NP, MR>(static_cast<const int16_t*>(pr.x) + m * pr.ldx, pr.ldx, panels, pr.K2, out);
   for (int p = 0; p < NP; ++p) {
     const int64_t n0 = panel[p] * kPanel, cols = std::min(kPanel, pr.N - n0);
     for (int i = 0; i < MR; ++i) {
@@ -213,21 +198,25 @@ inline void run_rows(const Problem<W>& pr, int64_t m, int64_t mr, const int64_t 
   }
 }
 
-// Rows [0, M) against panels [begin, end), two panels per tile. With one row the pair is the
-// thread's first and second half side by side: two sequential streams keep more cache-line fetches
-// in flight than one (see two_streams in packed_gemm.h).
+// Rows [0, M) against panels [begin, end), two panels per tile. With one row a tile takes one panel
+// from each of kStreams equal parts of the thread's range: that many sequential streams keep more
+// cache-line fetches in flight than one (see two_streams in packed_gemm.h).
 template <typename W>
 inline void run_panels(const Problem<W>& pr, int64_t M, int64_t begin, int64_t end) {
   if (M == 1) {
-    const int64_t half = (end - begin + 1) / 2;
-    for (int64_t j = 0; j < half; ++j) {
-      const int64_t pa = begin + j, pb = begin + half + j;
-      if (pb < end) {
-        const int64_t panel[2] = {pa, pb};
-        run_tile<2, 1>(pr, 0, panel);
+    const int64_t part = (end - begin + kStreams - 1) / kStreams;
+    for (int64_t j = 0; j < part; ++j) {
+      int64_t panel[kStreams];
+      int count = 0;
+      for (int s = 0; s < kStreams; ++s)
+        if (begin + s * part + j < end) panel[count++] = begin + s * part + j;
+      if (count == kStreams) {
+        run_tile<kStreams, 1>(pr, 0, panel);
       } else {
-        const int64_t panel[1] = {pa};
-        run_tile<1, 1>(pr, 0, panel);
+        for (int s = 0; s < count; ++s) {
+          const int64_t one[1] = {panel[s]};
+          run_tile<1, 1>(pr, 0, one);
+        }
       }
     }
     return;
@@ -246,7 +235,7 @@ inline void run_panels(const Problem<W>& pr, int64_t M, int64_t begin, int64_t e
   }
 }
 
-// x: [M, K] float32 -> [M, N] float32; wp: P panels (bf16 [P, K, 16] or int8 [P, K2, 16]).
+// x: [M, K] float32 -> [M, N] float32; wp: P panels of k pairs, [P, K2, 16] bf16 or int8.
 template <typename W>
 at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const at::Tensor& scale,
                   const at::Tensor& bias, int64_t N) {
@@ -256,7 +245,7 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
   std::vector<int16_t> xi;
   std::vector<float> row_scales;
   const float* xp = x.data_ptr<float>();
-  Problem<W> pr{wp, KP * kPanel, std::is_same_v<W, uint16_t> ? K : K2, nullptr, K2, nullptr,
+  Problem<W> pr{wp, KP * kPanel, K2, nullptr, K2, nullptr,
                 scale.data_ptr<float>(), bias.data_ptr<float>(), y.data_ptr<float>(), N};
   if constexpr (std::is_same_v<W, uint16_t>) {
     xb = bf16_rows(xp, M, K, K2);

@@ -1,10 +1,9 @@
-"""bf16 weights on CPUs without bf16 arithmetic: stored as bf16, multiplied in float32.
+"""bf16 weights packed for our C++ GEMM (csrc/packed_gemm.h), float32 activations in and out.
 
-On such CPUs (AVX2, no AVX-512 BF16 / AMX) torch's bf16 GEMMs are several times slower than fp32,
-so `--dtype bfloat16` computes in float32 on the bf16-rounded weights. Kept as float32 tensors those
-weights cost fp32's memory traffic, which is what bounds decode; packed as bf16 for the C++ kernel
-(csrc/packed_gemm.h, which widens them in registers) they move half the bytes. The numbers are the
-same: a bf16 value is exactly a float32 value."""
+On CPUs with AVX-512 BF16 the kernel rounds the activation rows to bf16 and multiplies with bf16
+dot-product instructions (float32 sums; k-pair panels); elsewhere (AVX2) it widens the weights to
+float32 in registers (interleaved panels), since torch's bf16 GEMMs run several times slower than
+fp32 there. Either way decode, which is bound by reading the weights, moves half the bytes of fp32."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.quant import kernels
 from tokenmill.quant.panels import PANEL, pack_bf16, unpack_bf16
 
 
@@ -26,14 +26,16 @@ class Bf16Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         pad = (-self.out_features) % PANEL
-        self.register_buffer("packed", pack_bf16(weight.detach().to(torch.bfloat16)))  # [P, in, 16]
+        self.pairs = kernels.isa() == "avx512"  # the layout the built kernel reads (panels.py)
+        # [P, in, 16] (interleaved) or [P, in + in % 2, 16] (k pairs)
+        self.register_buffer("packed", pack_bf16(weight.detach().to(torch.bfloat16), self.pairs))
         self.register_buffer("ones", torch.ones(self.out_features + pad))  # the kernel's per-channel scale
         bias = torch.zeros(self.out_features) if bias is None else bias.detach().float()
         self.register_buffer("bias", F.pad(bias, (0, pad)))
 
     def weight_bf16(self) -> torch.Tensor:
         """The weight as bf16 [out, in]."""
-        return unpack_bf16(self.packed, self.out_features)
+        return unpack_bf16(self.packed, self.out_features, self.in_features, self.pairs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         return torch.ops.tokenmill_quant.packed_linear(x.float().contiguous(), self.packed, self.ones, self.bias,

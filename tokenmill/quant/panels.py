@@ -1,10 +1,11 @@
 """The packed weight layouts of the C++ GEMM (csrc/packed_gemm.h): panels of 16 output channels, k-major.
 
-- bf16: [P, K, 16], the 16 channels of each k interleaved [0, 8, 1, 9, ..., 7, 15], so the kernel
-  splits one 32-byte load into channels 0-7 (the low halves of its 32-bit words) and 8-15 (the high
-  halves) with one shift and one mask.
-- int8: [P, K/2, 16, 2] stored as [P, K, 16] (K padded to even): each channel's weights for k and
-  k+1 side by side, the operand order of the kernel's int16 multiply-add (vpmaddwd)."""
+- bf16 for AVX2: [P, K, 16], the 16 channels of each k interleaved [0, 8, 1, 9, ..., 7, 15], so the
+  kernel splits one 32-byte load into channels 0-7 (the low halves of its 32-bit words) and 8-15
+  (the high halves) with one shift and one mask.
+- k pairs (int8, and bf16 for AVX-512 BF16): [P, K/2, 16, 2] stored as [P, K, 16] (K padded to
+  even): each channel's weights for k and k+1 side by side, the operand order of the kernel's pair
+  multiply-adds (vpmaddwd / vpdpwssd, vdpbf16ps)."""
 
 from __future__ import annotations
 
@@ -24,23 +25,30 @@ def _panels(w: torch.Tensor, in_padded: int) -> torch.Tensor:
     return padded.view(num_panels, PANEL, in_padded)
 
 
-def pack_bf16(w: torch.Tensor) -> torch.Tensor:
-    """[out, in] bf16 -> [ceil(out / 16), in, 16]."""
+def pack_bf16(w: torch.Tensor, pairs: bool) -> torch.Tensor:
+    """[out, in] bf16 -> [ceil(out / 16), in, 16] interleaved, or k pairs (`pairs`, see pack_pairs)."""
+    if pairs:
+        return pack_pairs(w)
     return _panels(w, w.shape[1])[:, INTERLEAVE].transpose(1, 2).contiguous()
 
 
-def unpack_bf16(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+def unpack_bf16(packed: torch.Tensor, out_features: int, in_features: int, pairs: bool) -> torch.Tensor:
+    if pairs:
+        return unpack_pairs(packed, out_features, in_features)
     return packed[:, :, torch.argsort(INTERLEAVE)].transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
 
 
-def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """[out, in] int8 -> [ceil(out / 16), in + in % 2, 16] holding [P, K/2, 16, 2]."""
-    in_padded = q.shape[1] + q.shape[1] % 2
-    panels = _panels(q, in_padded).view(-1, PANEL, in_padded // 2, 2)
+def pack_pairs(w: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [ceil(out / 16), in + in % 2, 16] holding [P, K/2, 16, 2]."""
+    in_padded = w.shape[1] + w.shape[1] % 2
+    panels = _panels(w, in_padded).view(-1, PANEL, in_padded // 2, 2)
     return panels.permute(0, 2, 1, 3).reshape(-1, in_padded, PANEL).contiguous()
 
 
-def unpack_int8(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+def unpack_pairs(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     num_panels, in_padded, _ = packed.shape
     pairs = packed.view(num_panels, in_padded // 2, PANEL, 2).permute(0, 2, 1, 3)  # [P, 16, K/2, 2]
     return pairs.reshape(num_panels * PANEL, in_padded)[:out_features, :in_features]
+
+
+pack_int8, unpack_int8 = pack_pairs, unpack_pairs
