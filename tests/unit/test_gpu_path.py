@@ -111,7 +111,7 @@ def test_on_cpu_the_cache_is_still_sized_by_kv_cache_memory_gb(
     config, _ = EngineArgs(model=str(llama_model), dtype="float32").create_engine_config()
     per_block = kv_cache_bytes_per_block(config)  # 2 * 2 layers * 2 heads * 16 dims * 4 bytes * 16 = 8 KiB
     assert per_block == 8 * 1024
-    llm = LLM(model=str(llama_model), kv_cache_memory_gb=37 * per_block / GIB)
+    llm = LLM(model=str(llama_model), dtype="float32", kv_cache_memory_gb=37 * per_block / GIB)
     assert llm.engine.num_blocks == 37
 
 
