@@ -57,9 +57,10 @@ inline __m512i broadcast_pair(const void* p) {  // one 32-bit (x[k], x[k+1]) pai
 
 // ------------------------------------------------------------------------------- bf16 weights
 // NP panels x MR rows over all K2 / 2 pairs: out[p][i] holds row i's 16 channels of panel p.
+// `ahead` (elements, 0 for none): each weight line read is also requested that far ahead, into L2.
 template <int NP, int MR>
 inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* const (&panels)[NP], int64_t K2,
-                      __m512 (&out)[NP][MR]) {
+                      int64_t ahead, __m512 (&out)[NP][MR]) {
   constexpr int U = unroll_for(NP * MR);
   __m512 acc[U][NP][MR];
   #pragma GCC unroll 4
@@ -72,6 +73,7 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* const (&pa
   const auto step = [&](int u, int64_t t) __attribute__((always_inline)) {
     #pragma GCC unroll 4
     for (int p = 0; p < NP; ++p) {
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(panels[p] + 2 * t * kPanel + ahead), _MM_HINT_T1);
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(panels[p] + 2 * t * kPanel);
       #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
@@ -101,7 +103,7 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* const (&pa
 // float32 every kFlushPairs pairs, before they could overflow.
 template <int NP, int MR>
 inline void tile_int8(const int16_t* x, int64_t ldx, const int8_t* const (&panels)[NP], int64_t K2,
-                      __m512 (&out)[NP][MR]) {
+                      int64_t ahead, __m512 (&out)[NP][MR]) {
   constexpr int U = unroll_for(NP * MR);
   #pragma GCC unroll 4
   for (int p = 0; p < NP; ++p)
@@ -121,6 +123,7 @@ inline void tile_int8(const int16_t* x, int64_t ldx, const int8_t* const (&panel
       #pragma GCC unroll 4
       for (int p = 0; p < NP; ++p) {
         const int8_t* wp = panels[p] + t * 2 * kPanel;
+        if (ahead && t % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(wp + ahead), _MM_HINT_T1);
         const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)));
         #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) acc[u][p][i] = _mm512_dpwssd_epi32(acc[u][p][i], broadcast_pair(x + i * ldx + 2 * t), w);
@@ -166,15 +169,17 @@ struct Problem {
   int64_t N;
 };
 
+// The first row tile of a panel pair also pulls the thread's next pair toward the cache
+// (`ahead`), so its weights arrive from memory while this pair computes.
 template <int NP, int MR, typename W>
-inline void run_tile(const Problem<W>& pr, int64_t m, const int64_t (&panel)[NP]) {
+inline void run_tile(const Problem<W>& pr, int64_t m, const int64_t (&panel)[NP], int64_t ahead = 0) {
   __m512 out[NP][MR];
   const W* panels[NP];
   for (int p = 0; p < NP; ++p) panels[p] = pr.weights + panel[p] * pr.panel_stride;
   if constexpr (std::is_same_v<W, uint16_t>)
-    tile_bf16<NP, MR>(static_cast<const uint16_t*>(pr.x) + m * pr.ldx, pr.ldx, panels, pr.K2, out);
+    tile_bf16<NP, MR>(static_cast<const uint16_t*>(pr.x) + m * pr.ldx, pr.ldx, panels, pr.K2, ahead, out);
   else
-    tile_int8<NP, MR>(static_cast<const int16_t*>(pr.x) + m * pr.ldx, pr.ldx, panels, pr.K2, out);
+    tile_int8<NP, MR>(static_cast<const int16_t*>(pr.x) + m * pr.ldx, pr.ldx, panels, pr.K2, ahead, out);
   for (int p = 0; p < NP; ++p) {
     const int64_t n0 = panel[p] * kPanel, cols = std::min(kPanel, pr.N - n0);
     for (int i = 0; i < MR; ++i) {
@@ -185,16 +190,16 @@ inline void run_tile(const Problem<W>& pr, int64_t m, const int64_t (&panel)[NP]
 }
 
 template <int NP, typename W>
-inline void run_rows(const Problem<W>& pr, int64_t m, int64_t mr, const int64_t (&panel)[NP]) {
+inline void run_rows(const Problem<W>& pr, int64_t m, int64_t mr, const int64_t (&panel)[NP], int64_t ahead) {
   switch (mr) {
-    case 8: return run_tile<NP, 8>(pr, m, panel);
-    case 7: return run_tile<NP, 7>(pr, m, panel);
-    case 6: return run_tile<NP, 6>(pr, m, panel);
-    case 5: return run_tile<NP, 5>(pr, m, panel);
-    case 4: return run_tile<NP, 4>(pr, m, panel);
-    case 3: return run_tile<NP, 3>(pr, m, panel);
-    case 2: return run_tile<NP, 2>(pr, m, panel);
-    default: return run_tile<NP, 1>(pr, m, panel);
+    case 8: return run_tile<NP, 8>(pr, m, panel, ahead);
+    case 7: return run_tile<NP, 7>(pr, m, panel, ahead);
+    case 6: return run_tile<NP, 6>(pr, m, panel, ahead);
+    case 5: return run_tile<NP, 5>(pr, m, panel, ahead);
+    case 4: return run_tile<NP, 4>(pr, m, panel, ahead);
+    case 3: return run_tile<NP, 3>(pr, m, panel, ahead);
+    case 2: return run_tile<NP, 2>(pr, m, panel, ahead);
+    default: return run_tile<NP, 1>(pr, m, panel, ahead);
   }
 }
 
@@ -224,12 +229,13 @@ inline void run_panels(const Problem<W>& pr, int64_t M, int64_t begin, int64_t e
   for (int64_t p = begin; p < end; p += 2) {
     for (int64_t m = 0; m < M; m += kRows) {
       const int64_t mr = std::min<int64_t>(kRows, M - m);
+      const int64_t ahead = m == 0 && p + 3 < end ? 2 * pr.panel_stride : 0;
       if (p + 1 < end) {
         const int64_t panel[2] = {p, p + 1};
-        run_rows<2>(pr, m, mr, panel);
+        run_rows<2>(pr, m, mr, panel, ahead);
       } else {
         const int64_t panel[1] = {p};
-        run_rows<1>(pr, m, mr, panel);
+        run_rows<1>(pr, m, mr, panel, 0);
       }
     }
   }

@@ -1,9 +1,10 @@
 """Per-output-channel symmetric int8 weights, quantized at load time from a float checkpoint.
 
-On CPU the GEMM is our AVX2 kernel (csrc/packed_gemm.h): up to 511 rows it multiplies the int8
-weights by the activation rows quantized to int16 (one scale per row, max|x| / 32767) with integer
-multiply-adds, so the weights are never widened to float; decode reads a quarter of the bytes of fp32
-weights. From 512 rows (prefill) the weights are dequantized once and the GEMM runs in float32.
+On CPU the GEMM is our C++ kernel (csrc/packed_gemm.h): it multiplies the int8 weights by the
+activation rows quantized to int16 (one scale per row, max|x| / 32767) with integer multiply-adds
+(AVX-512 VNNI's vpdpwssd at every row count; on AVX2 vpmaddwd up to 511 rows, and from 512 rows a
+float32 GEMM on weights dequantized once), so the weights are never widened to float; decode reads
+a quarter of the bytes of fp32 weights.
 
 The int16 activations add an error of at most 1.5e-5 of a row's largest value, far below the
 weights' own rounding (half a step, scale/2). Why not int8 activations: fbgemm's dynamic int8 linear
