@@ -158,10 +158,9 @@ inline void store_row(__m512 acc, float row_scale, const float* scale, const flo
 template <typename W>
 struct Problem {
   const W* weights;       // packed panels
-  int64_t panel_stride;   // elements per panel (K or K2 times 16)
+  int64_t panel_stride;   // elements per panel (K2 times 16)
   int64_t K2;             // x's features rounded up to even (the panels' k pairs)
-  const void* x;          // bf16 rows (uint16_t) or int16 rows, [M, ldx]
-  int64_t ldx;
+  const void* x;          // bf16 rows (uint16_t) or int16 rows, [M, K2]
   const float* row_scales;  // int8: one per row; bf16: nullptr (1)
   const float* scale;
   const float* bias;
@@ -177,9 +176,9 @@ inline void run_tile(const Problem<W>& pr, int64_t m, const int64_t (&panel)[NP]
   const W* panels[NP];
   for (int p = 0; p < NP; ++p) panels[p] = pr.weights + panel[p] * pr.panel_stride;
   if constexpr (std::is_same_v<W, uint16_t>)
-    tile_bf16<NP, MR>(static_cast<const uint16_t*>(pr.x) + m * pr.ldx, pr.ldx, panels, pr.K2, ahead, out);
+    tile_bf16<NP, MR>(static_cast<const uint16_t*>(pr.x) + m * pr.K2, pr.K2, panels, pr.K2, ahead, out);
   else
-    tile_int8<NP, MR>(static_cast<const int16_t*>(pr.x) + m * pr.ldx, pr.ldx, panels, pr.K2, ahead, out);
+    tile_int8<NP, MR>(static_cast<const int16_t*>(pr.x) + m * pr.K2, pr.K2, panels, pr.K2, ahead, out);
   for (int p = 0; p < NP; ++p) {
     const int64_t n0 = panel[p] * kPanel, cols = std::min(kPanel, pr.N - n0);
     for (int i = 0; i < MR; ++i) {
@@ -251,7 +250,7 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
   std::vector<int16_t> xi;
   std::vector<float> row_scales;
   const float* xp = x.data_ptr<float>();
-  Problem<W> pr{wp, KP * kPanel, K2, nullptr, K2, nullptr,
+  Problem<W> pr{wp, KP * kPanel, K2, nullptr, nullptr,
                 scale.data_ptr<float>(), bias.data_ptr<float>(), y.data_ptr<float>(), N};
   if constexpr (std::is_same_v<W, uint16_t>) {
     xb = bf16_rows(xp, M, K, K2);
