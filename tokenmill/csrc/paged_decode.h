@@ -20,10 +20,6 @@
 #include <vector>
 
 #include "avx2_math.h"
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include "paged_decode_avx512.h"
-#define TM_ATTN_AVX512 1
-#endif
 
 namespace tokenmill::attn {
 
@@ -222,6 +218,27 @@ inline std::vector<std::vector<int64_t>> balance(const int32_t* seq_lens, int64_
   return plan;
 }
 
+// Starts an item of `num_heads` query heads: their queries times `scale` into qs. A sequence with no
+// context (never scheduled) gets zeros, not NaN, and false.
+inline bool start_item(const float* q_item, float scale, int64_t num_heads, int64_t head_dim, int64_t seq_len,
+                       float* out_item, float* qs) {
+  if (seq_len <= 0) {
+    std::fill(out_item, out_item + num_heads * head_dim, 0.0f);
+    return false;
+  }
+  for (int64_t i = 0; i < num_heads * head_dim; ++i) qs[i] = q_item[i] * scale;
+  return true;
+}
+
+}  // namespace tokenmill::attn
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include "paged_decode_avx512.h"  // uses softmax_row, prefetch_rows, balance and start_item above
+#define TM_ATTN_AVX512 1
+#endif
+
+namespace tokenmill::attn {
+
 template <typename T>
 inline void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                    const int32_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -262,14 +279,9 @@ inline void decode(const float* q, const T* k_cache, const T* v_cache, const int
     for (int64_t worker = begin; worker < end; ++worker) {
       for (const int64_t item : plan[worker]) {
         const int64_t seq = item / splits, kv_head0 = (item % splits) * heads_per_item;
-        const int64_t seq_len = seq_lens[seq];
-        float* out_item = out + (seq * num_heads + kv_head0 * group) * head_dim;
-        if (seq_len <= 0) {  // nothing to attend to (never scheduled): zeros, not NaN
-          std::fill(out_item, out_item + item_heads * head_dim, 0.0f);
-          continue;
-        }
-        const float* q_item = q + (seq * num_heads + kv_head0 * group) * head_dim;
-        for (int64_t i = 0; i < item_heads * head_dim; ++i) qf[i] = q_item[i] * scale;
+        const int64_t seq_len = seq_lens[seq], first = (seq * num_heads + kv_head0 * group) * head_dim;
+        float* out_item = out + first;
+        if (!start_item(q + first, scale, item_heads, head_dim, seq_len, out_item, qf.data())) continue;
         const int32_t* table = block_tables + seq * max_blocks;
         const int64_t num_blocks = (seq_len + block_size - 1) / block_size, padded = num_blocks * block_size;
         const int64_t row_bytes = heads_per_item * head_dim * sizeof(T);  // one token's rows for the item
@@ -339,13 +351,10 @@ inline torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k
 #ifdef TM_ATTN_AVX512
   if (kv_cache.scalar_type() == at::kBFloat16 && block_size == avx512::kBlock) {
     const at::BFloat16* cache = kv_cache.data_ptr<at::BFloat16>();
-    // (sequence, kv head) items: measured faster than whole sequences even with many sequences.
-    const int64_t splits = num_kv_heads;
-    const auto plan = balance(lens.data_ptr<int32_t>(), num_seqs, splits, block_size);
     const bool done = avx512::with_chunks(head_dim, [&](auto c) {
       avx512::decode<c()>(qf.data_ptr<float>(), cache, cache + cache_half, tables.data_ptr<int32_t>(),
-                          lens.data_ptr<int32_t>(), out.data_ptr<float>(), num_heads, num_kv_heads, tables.size(1),
-                          static_cast<float>(scale), splits, plan, softmax_row);
+                          lens.data_ptr<int32_t>(), out.data_ptr<float>(), num_seqs, num_heads, num_kv_heads,
+                          tables.size(1), static_cast<float>(scale));
     });
     if (done) return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
   }

@@ -1,8 +1,9 @@
 // Paged decode attention over a bf16 cache with AVX-512 (head_dim a multiple of 16): the fast path of
 // paged_decode.h on CPUs that have it. The arithmetic is float32, as in the portable kernel.
 //
-// A work item is a sequence (or, with few sequences, a sequence's group of kv heads); each kv head's
-// query heads (its GQA group) read that head's rows of every block once per pass. Keys: a block's 16 rows are widened to float32 once into an L1 buffer,
+// A work item is one (sequence, kv head): its query heads (the GQA group) read that head's rows of
+// every block once per pass. (Items of whole sequences, reading each block as one run of all kv
+// heads, measured slower.) Included by paged_decode.h, whose portable helpers it uses. Keys: a block's 16 rows are widened to float32 once into an L1 buffer,
 // then each query head takes 16 dot products, one 16-lane vector of partial sums per key, folded into
 // one vector of 16 scores by a transposing sum (no per-score horizontal reduction). Values: each row
 // is widened in registers once for up to kMaxHeads query heads, whose accumulators stay in registers
@@ -104,82 +105,61 @@ inline void with_heads(int64_t heads, F&& f) {  // heads in [1, kMaxAccumulators
   f(std::integral_constant<int, 1>{});
 }
 
-inline void prefetch_rows(const at::BFloat16* first, int64_t token_stride, int64_t row_bytes) {
-  for (int64_t t = 0; t < kBlock; ++t)
-    for (int64_t b = 0; b < row_bytes; b += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(first + t * token_stride) + b);
-}
-
-// Same contract as attn::decode (paged_decode.h) for a bf16 cache whose block size is 16. `plan`
-// deals work items to threads: items are sequences when `splits` is 1 (each block is then read as
-// one contiguous run of all its kv heads, which the hardware prefetcher follows), else (sequence,
-// group of kv heads) pairs so that a few sequences still keep every thread busy. softmax_row(p, n)
-// exponentiates a row in place and returns 1 / sum.
-template <int C, typename Softmax>
+// Same contract as attn::decode (paged_decode.h) for a bf16 cache whose block size is 16.
+template <int C>
 void decode(const float* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache, const int32_t* block_tables,
-            const int32_t* seq_lens, float* out, int64_t num_heads, int64_t num_kv_heads, int64_t max_blocks,
-            float scale, int64_t splits, const std::vector<std::vector<int64_t>>& plan, Softmax softmax_row) {
+            const int32_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+            int64_t max_blocks, float scale) {
   constexpr int64_t head_dim = 16 * C;
   constexpr int kHeads = std::max(1, std::min(4, kMaxAccumulators / C));  // query heads per value pass
-  const int64_t group = num_heads / num_kv_heads, kv_per_item = num_kv_heads / splits;
-  const int64_t item_heads = kv_per_item * group;  // query heads of one item
+  const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim, block_stride = kBlock * token_stride;
-  const int64_t run_bytes = kv_per_item * head_dim * 2;  // one token's rows of the item's kv heads
+  const std::vector<std::vector<int64_t>> plan = balance(seq_lens, num_seqs, num_kv_heads, kBlock);
   at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float kw[kBlock * head_dim];  // one block's keys of one kv head, widened
-    std::vector<float> qs(item_heads * head_dim), acc(item_heads * head_dim), inv_sum(item_heads), scores;
+    alignas(64) float kw[kBlock * head_dim];  // one block's keys, widened
+    std::vector<float> qs(group * head_dim), acc(group * head_dim), inv_sum(group), scores;
     for (int64_t worker = begin; worker < end; ++worker) {
       for (const int64_t item : plan[worker]) {
-        const int64_t seq = item / splits, kvh0 = (item % splits) * kv_per_item;
-        const int64_t seq_len = seq_lens[seq];
-        float* out_item = out + (seq * num_heads + kvh0 * group) * head_dim;
-        if (seq_len <= 0) {  // nothing to attend to (never scheduled): zeros, not NaN
-          std::fill(out_item, out_item + item_heads * head_dim, 0.0f);
-          continue;
-        }
-        const float* q_item = q + (seq * num_heads + kvh0 * group) * head_dim;
-        for (int64_t i = 0; i < item_heads * head_dim; ++i) qs[i] = q_item[i] * scale;
+        const int64_t seq = item / num_kv_heads, kvh = item % num_kv_heads;
+        const int64_t seq_len = seq_lens[seq], first = (seq * num_heads + kvh * group) * head_dim;
+        float* out_item = out + first;
+        if (!start_item(q + first, scale, group, head_dim, seq_len, out_item, qs.data())) continue;
         const int32_t* table = block_tables + seq * max_blocks;
         const int64_t num_blocks = (seq_len + kBlock - 1) / kBlock, padded = num_blocks * kBlock;
-        scores.resize(item_heads * padded);  // [item_heads, padded]
-        const auto rows_of = [&](const at::BFloat16* half, int64_t j, int64_t h) {  // kv head kvh0 + h
-          return half + table[j] * block_stride + (kvh0 + h) * head_dim;
+        scores.resize(group * padded);  // [group, padded]
+        const auto rows_of = [&](const at::BFloat16* half, int64_t j) {
+          return half + table[j] * block_stride + kvh * head_dim;
         };
         const auto prefetch = [&](const at::BFloat16* half, int64_t j) {
-          if (j < num_blocks) prefetch_rows(rows_of(half, j, 0), token_stride, run_bytes);
+          if (j < num_blocks) prefetch_rows(rows_of(half, j), kBlock, token_stride, head_dim * 2);
         };
         // Pass 1: the scores of every key.
         for (int64_t j = 0; j < kAheadBlocks; ++j) prefetch(k_cache, j);
         for (int64_t j = 0; j < num_blocks; ++j) {
           prefetch(k_cache, j + kAheadBlocks);
           const int64_t n = std::min(kBlock, seq_len - j * kBlock);
-          for (int64_t h = 0; h < kv_per_item; ++h) {
-            const at::BFloat16* k = rows_of(k_cache, j, h);
-            for (int64_t t = 0; t < kBlock; ++t)
-              for (int c = 0; c < C; ++c)  // rows past n: zeros (their scores are never read)
-                _mm512_store_ps(kw + t * head_dim + 16 * c,
-                                t < n ? widen(k + t * token_stride + 16 * c) : _mm512_setzero_ps());
-            for (int64_t g = h * group; g < (h + 1) * group; ++g)
-              scores16<C>(qs.data() + g * head_dim, kw, n, scores.data() + g * padded + j * kBlock);
-          }
+          const at::BFloat16* k = rows_of(k_cache, j);
+          for (int64_t t = 0; t < kBlock; ++t)
+            for (int c = 0; c < C; ++c)  // rows past n: zeros (their scores are never read)
+              _mm512_store_ps(kw + t * head_dim + 16 * c,
+                              t < n ? widen(k + t * token_stride + 16 * c) : _mm512_setzero_ps());
+          for (int64_t g = 0; g < group; ++g)
+            scores16<C>(qs.data() + g * head_dim, kw, n, scores.data() + g * padded + j * kBlock);
         }
-        for (int64_t g = 0; g < item_heads; ++g) inv_sum[g] = softmax_row(scores.data() + g * padded, seq_len);
+        for (int64_t g = 0; g < group; ++g) inv_sum[g] = softmax_row(scores.data() + g * padded, seq_len);
         // Pass 2: the probability-weighted values, up to kHeads query heads per read of a row.
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t j = 0; j < kAheadBlocks; ++j) prefetch(v_cache, j);
         for (int64_t j = 0; j < num_blocks; ++j) {
           prefetch(v_cache, j + kAheadBlocks);
           const int64_t n = std::min(kBlock, seq_len - j * kBlock);
-          for (int64_t h = 0; h < kv_per_item; ++h)
-            for (int64_t g0 = h * group; g0 < (h + 1) * group; g0 += kHeads) {
-              const int64_t heads = std::min<int64_t>(kHeads, (h + 1) * group - g0);
-              with_heads<C>(heads, [&](auto hh) {
-                values<hh(), C>(acc.data() + g0 * head_dim, head_dim, scores.data() + g0 * padded + j * kBlock,
-                                padded, rows_of(v_cache, j, h), token_stride, n);
-              });
-            }
+          for (int64_t g0 = 0; g0 < group; g0 += kHeads)
+            with_heads<C>(std::min<int64_t>(kHeads, group - g0), [&](auto h) {
+              values<h(), C>(acc.data() + g0 * head_dim, head_dim, scores.data() + g0 * padded + j * kBlock, padded,
+                             rows_of(v_cache, j), token_stride, n);
+            });
         }
-        for (int64_t g = 0; g < item_heads; ++g)
+        for (int64_t g = 0; g < group; ++g)
           for (int64_t d = 0; d < head_dim; ++d) out_item[g * head_dim + d] = acc[g * head_dim + d] * inv_sum[g];
       }
     }
