@@ -73,8 +73,11 @@ def test_float32_activations_over_a_bf16_cache(backend: str) -> None:
     assert got.dtype == torch.float32 and torch.equal(cache, ref_cache)
     assert torch.equal(cache[0].view(-1, HKV, D)[meta.slot_mapping], k.to(torch.bfloat16))
     decode_rows = meta.query_start_loc_cpu[2:4]  # requests 2 and 3 decode one token each
-    assert (got[decode_rows] - expected[decode_rows]).abs().max().item() < 1e-5
-    # the fresh prompt attends to its own unrounded k/v in the SDPA path: bf16 rounding apart
+    kernels = SDPABackend(torch.device("cpu"))._kernels
+    # the same bf16 cache values; the AVX-512 BF16 kernel also rounds queries and probabilities
+    tol = 2e-2 if backend == "cpu" and _bf16_products(kernels, cache) else 1e-5
+    assert (got[decode_rows] - expected[decode_rows]).abs().max().item() < tol
+    # prompts attend to their own unrounded k/v in the SDPA path: bf16 rounding apart
     assert (got - expected).abs().max().item() < 2e-2
 
 
@@ -86,20 +89,39 @@ def test_cpp_decode_kernel_rejects_a_float16_cache() -> None:
 
 
 def _gathered_reference(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                        scale: float) -> torch.Tensor:
-    """Decode attention in float64 over each sequence's gathered cache rows.  q: [B, Hq, D] -> [B, Hq, D]."""
+                        scale: float, query_start: list[int] | None = None, bf16_products: bool = False) -> torch.Tensor:
+    """Causal attention in float64 over each sequence's gathered cache rows; sequence i's queries are
+    rows query_start[i]:query_start[i + 1] of q (default: one each), the last of its lens[i] positions.
+    bf16_products emulates the AVX-512 BF16 kernel: query times scale and the unnormalized
+    probabilities rounded to bf16, the normalizing sum not.  q: [T, Hq, D] -> [T, Hq, D]."""
     block = cache.shape[2]
     group = q.shape[1] // cache.shape[3]
+    starts = query_start if query_start is not None else list(range(len(lens) + 1))
     out = torch.zeros(q.shape, dtype=torch.float64)
     for b, n in enumerate(lens.tolist()):
+        first, last = starts[b], starts[b + 1]
         if n <= 0:
             continue
         slots = tables[b, torch.arange(n) // block].long() * block + torch.arange(n) % block
         k = cache[0].flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)  # [n, Hq, D]
         v = cache[1].flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
-        p = torch.softmax(torch.einsum("hd,nhd->hn", q[b].double() * scale, k), dim=-1)
-        out[b] = torch.einsum("hn,nhd->hd", p, v)
+        qs = q[first:last].float() * scale  # [m, Hq, D]
+        if bf16_products:
+            qs = qs.bfloat16()
+        scores = torch.einsum("mhd,nhd->hmn", qs.double(), k)
+        q_pos = torch.arange(n - (last - first), n).view(1, -1, 1)
+        scores = scores.masked_fill(torch.arange(n).view(1, 1, -1) > q_pos, float("-inf"))
+        e = torch.exp(scores - scores.amax(-1, keepdim=True))
+        total = e.sum(-1, keepdim=True)
+        if bf16_products:
+            e = e.float().bfloat16().double()
+        out[first:last] = torch.einsum("hmn,nhd->mhd", e / total, v)
     return out
+
+
+def _bf16_products(kernels: object, cache: torch.Tensor) -> bool:
+    """Whether the C++ kernels serve this cache with bf16 dot products (AVX-512 BF16 builds)."""
+    return bool(kernels.avx512_supports(cache))  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 64), (8, 4, 128), (8, 2, 36)])
@@ -109,7 +131,7 @@ def test_cpp_decode_kernel_over_head_layouts(num_heads: int, num_kv_heads: int, 
                                              cache_dtype: torch.dtype, num_seqs: int) -> None:
     # GQA groups of 3, 7 (read in passes of 3 + 3 + 1 heads), 2 and 4 (3 + 1); head_dim 36 takes the portable
     # loops; 2 sequences split the work by kv head, 11 by sequence; lengths cover partial blocks and 0.
-    kernels = SDPABackend(torch.device("cpu"))._paged_decode
+    kernels = SDPABackend(torch.device("cpu"))._kernels
     gen = torch.Generator().manual_seed(num_heads * head_dim + num_seqs)
     num_blocks, block = 96, 16
     lens = torch.randint(1, 70, (num_seqs,), generator=gen, dtype=torch.int32)
@@ -117,7 +139,61 @@ def test_cpp_decode_kernel_over_head_layouts(num_heads: int, num_kv_heads: int, 
     tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * 5].view(num_seqs, 5).to(torch.int32)
     cache = torch.randn(2, num_blocks, block, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
     q = torch.randn(num_seqs, num_heads, head_dim, generator=gen)
-    got = kernels(q, cache, tables, lens, head_dim**-0.5)
-    expected = _gathered_reference(q, cache, tables, lens, head_dim**-0.5)
+    got = kernels.paged_decode(q, cache, tables, lens, head_dim**-0.5)
+    expected = _gathered_reference(q, cache, tables, lens, head_dim**-0.5,
+                                   bf16_products=_bf16_products(kernels, cache))
     assert got.shape == q.shape and got.dtype == q.dtype
     assert (got.double() - expected).abs().max().item() < 1e-5
+
+
+def test_avx512_kernel_serves_bf16_caches_on_this_machine() -> None:
+    # This machine class has AVX-512 BF16: the bf16 fast path must not silently fall back.
+    kernels = SDPABackend(torch.device("cpu"))._kernels
+    cache = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
+    assert kernels.avx512_supports(cache)
+    assert not kernels.avx512_supports(cache.float()) and not kernels.avx512_supports(cache[..., :48].contiguous())
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 64), (8, 4, 128), (4, 4, 32)])
+@pytest.mark.parametrize("num_seqs", [3, 12])
+def test_paged_attention_over_prompt_chunks_and_decode_rows(num_heads: int, num_kv_heads: int, head_dim: int,
+                                                            num_seqs: int) -> None:
+    """Fresh prompts, chunks after a cached prefix (tiles of many query rows) and decode rows in one
+    call, against the float64 reference emulating the bf16 products. 3 sequences split the work by kv
+    head, 12 take all kv heads per item."""
+    kernels = SDPABackend(torch.device("cpu"))._kernels
+    gen = torch.Generator().manual_seed(num_heads * head_dim + num_seqs)
+    num_blocks, block, max_blocks = 256, 16, 12
+    cache = torch.randn(2, num_blocks, block, num_kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    if not kernels.avx512_supports(cache):
+        pytest.skip("paged_attention needs an AVX-512 BF16 build")
+    q_lens = torch.randint(1, 60, (num_seqs,), generator=gen).tolist()
+    q_lens[0], q_lens[-1] = 1, 130  # a decode row; a prompt of several tiles
+    prefix = torch.randint(0, 50, (num_seqs,), generator=gen).tolist()
+    prefix[1] = 0  # a fresh prompt
+    lens = torch.tensor([p + n for p, n in zip(prefix, q_lens)], dtype=torch.int32)
+    tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * max_blocks].view(num_seqs, -1).to(torch.int32)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], num_heads, head_dim, generator=gen)
+    got = kernels.paged_attention(q, cache, tables, lens, torch.tensor(starts, dtype=torch.int32), head_dim**-0.5)
+    expected = _gathered_reference(q, cache, tables, lens, head_dim**-0.5, starts, bf16_products=True)
+    exact = _gathered_reference(q, cache, tables, lens, head_dim**-0.5, starts)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    # Only an exp rounding differently across a bf16 boundary moves a probability by one bf16 step
+    # (<= 2^-8 of it, times a value of a few units).
+    assert (got.double() - expected).abs().max().item() < 5e-3
+    assert (got.double() - exact).abs().max().item() < 3e-2  # the bf16 products themselves
+
+
+def test_paged_attention_rejects_bad_query_starts() -> None:
+    kernels = SDPABackend(torch.device("cpu"))._kernels
+    q, _, _, cache, meta = mixed_batch(torch.float32)
+    cache = cache.to(torch.bfloat16)
+    if not kernels.avx512_supports(cache):
+        pytest.skip("paged_attention needs an AVX-512 BF16 build")
+    with pytest.raises(RuntimeError, match="query_start"):
+        kernels.paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc[:-1], D**-0.5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16|AVX-512"):
+        kernels.paged_attention(q, cache.half(), meta.block_tables, meta.seq_lens, meta.query_start_loc, D**-0.5)

@@ -1,9 +1,10 @@
 """The fast CPU attention path (also runs on GPU without its C++ part).
 
-Decode rows of a step go to our C++ paged-decode kernel, which reads each KV block in place once
-per step; where it cannot be built (or off CPU) they are batched into one SDPA call over gathered,
-padded contexts. Prompt chunks run one request at a time through SDPA, with the plain causal kernel
-when there is no cached prefix."""
+Over a bf16 cache on a CPU with AVX-512 BF16, every row of a step (decode rows and prompt chunks, a
+cached prefix included) goes to one call of our C++ paged-attention kernel, which reads the KV blocks
+in place. Otherwise decode rows go to the C++ paged-decode kernel (float32 or bf16 cache), or where it
+cannot be built (or off CPU) to one SDPA call over gathered, padded contexts; prompt chunks run one
+request at a time through SDPA, with the plain causal kernel when there is no cached prefix."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class SDPABackend:
     def __init__(self, device: torch.device, use_cpp_kernels: bool = True) -> None:
         kernels = cpu_extensions.load("paged_decode") if use_cpp_kernels and device.type == "cpu" else None
         self._paged_decode = kernels.paged_decode if kernels is not None else None
+        self._kernels = kernels
         if self._paged_decode is not None:
             self.name = "cpu"
 
@@ -36,6 +38,10 @@ class SDPABackend:
         scale: float,
     ) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping)
+        if self._kernels is not None and self._kernels.avx512_supports(kv_cache):
+            return self._kernels.paged_attention(
+                q.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
+            )
         if meta.is_all_decode:
             return self._decode_rows(q, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
         out = torch.empty_like(q)

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -197,25 +198,32 @@ inline void prefetch_rows(const T* first, int64_t block_size, int64_t token_stri
       __builtin_prefetch(reinterpret_cast<const char*>(first + t * token_stride) + b);
 }
 
-// Work items (sequence, or (sequence, kv-head group) with `splits` > 1) dealt to the threads longest
-// first, each to the least loaded: sequences differ in length, and a static split of the item range
-// would leave one thread waiting on another. Each item is computed the same way wherever it runs.
-inline std::vector<std::vector<int64_t>> balance(const int32_t* seq_lens, int64_t num_seqs, int64_t splits,
-                                                 int64_t block_size) {
-  const int64_t num_items = num_seqs * splits;
+// Work items dealt to the threads costliest first, each to the least loaded: sequences differ in
+// length, and a static split of the item range would leave one thread waiting on another. Each item
+// is computed the same way wherever it runs.
+inline std::vector<std::vector<int64_t>> balance(const std::vector<int64_t>& costs) {
+  const int64_t num_items = static_cast<int64_t>(costs.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   std::vector<int64_t> order(num_items);
   for (int64_t i = 0; i < num_items; ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return seq_lens[a / splits] > seq_lens[b / splits]; });
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return costs[a] > costs[b]; });
   std::vector<std::vector<int64_t>> plan(workers);
   std::vector<int64_t> load(workers, 0);
   for (const int64_t item : order) {
     const int64_t w = std::min_element(load.begin(), load.end()) - load.begin();
     plan[w].push_back(item);
-    load[w] += std::max<int32_t>(seq_lens[item / splits], 0) + block_size;  // + a block: per-item overhead
+    load[w] += costs[item];
   }
   return plan;
+}
+
+// Items of whole sequences (or (sequence, kv-head group) with `splits` > 1), costing their length.
+inline std::vector<std::vector<int64_t>> balance(const int32_t* seq_lens, int64_t num_seqs, int64_t splits,
+                                                 int64_t block_size) {
+  std::vector<int64_t> costs(num_seqs * splits);
+  for (int64_t i = 0; i < num_seqs * splits; ++i)
+    costs[i] = std::max<int32_t>(seq_lens[i / splits], 0) + block_size;  // + a block: per-item overhead
+  return balance(costs);
 }
 
 // Starts an item of `num_heads` query heads: their queries times `scale` into qs. A sequence with no
@@ -232,8 +240,8 @@ inline bool start_item(const float* q_item, float scale, int64_t num_heads, int6
 
 }  // namespace tokenmill::attn
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include "paged_decode_avx512.h"  // uses softmax_row, prefetch_rows, balance and start_item above
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include "paged_attention_avx512.h"  // uses softmax_row, prefetch_rows and balance above
 #define TM_ATTN_AVX512 1
 #endif
 
@@ -325,6 +333,56 @@ inline void decode(const float* q, const T* k_cache, const T* v_cache, const int
   });
 }
 
+// Whether paged_attention's bf16 dot-product kernel serves this cache: a bf16 cache of 16-token
+// blocks and head_dim 32, 64 or 128, on a build for AVX-512 BF16.
+inline bool avx512_supports(const torch::Tensor& kv_cache) {
+#ifdef TM_ATTN_AVX512
+  const int64_t head_dim = kv_cache.size(4);
+  return kv_cache.scalar_type() == at::kBFloat16 && kv_cache.size(2) == avx512::kBlock &&
+         (head_dim == 32 || head_dim == 64 || head_dim == 128);
+#else
+  return false;
+#endif
+}
+
+// Attention for any mix of decode rows and prompt chunks, read from the cache (the step's new KV
+// already written). q: [tokens, num_heads, head_dim]; query_start: [num_seqs + 1] int32, sequence i's
+// rows [query_start[i], query_start[i + 1]) are the last of its seq_lens[i] positions (none: one row
+// per sequence). Returns like q. Only where avx512_supports(kv_cache).
+inline torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
+                                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                                     const std::optional<torch::Tensor>& query_start, double scale) {
+  TORCH_CHECK(avx512_supports(kv_cache), "paged_attention needs an AVX-512 BF16 build and a bf16 cache of ",
+              "16-token blocks with head_dim 32, 64 or 128");
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.is_contiguous() && q.size(2) == kv_cache.size(4) &&
+                  q.size(1) % kv_cache.size(3) == 0,
+              "q: [tokens, num_heads, head_dim]; kv_cache: contiguous [2, num_blocks, 16, Hkv, head_dim]");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
+              "block_tables and seq_lens must be int32");
+  const auto tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+  torch::Tensor starts;
+  if (query_start) {
+    starts = query_start->contiguous();
+    TORCH_CHECK(starts.scalar_type() == torch::kInt32 && starts.numel() == lens.numel() + 1 &&
+                    starts.data_ptr<int32_t>()[lens.numel()] == q.size(0),
+                "query_start must be int32 [num_seqs + 1], ending at q's row count");
+  } else {
+    TORCH_CHECK(q.size(0) == lens.numel(), "without query_start, q has one row per sequence");
+  }
+  const auto qf = q.to(at::kFloat).contiguous();
+  auto out = torch::empty_like(qf);
+#ifdef TM_ATTN_AVX512
+  const at::BFloat16* cache = kv_cache.data_ptr<at::BFloat16>();
+  const int64_t cache_half = kv_cache.numel() / 2;
+  avx512::with_chunks(q.size(2), [&](auto c) {
+    avx512::attend<c()>(qf.data_ptr<float>(), query_start ? starts.data_ptr<int32_t>() : nullptr, cache, cache + cache_half,
+                        tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<float>(), lens.numel(),
+                        q.size(1), kv_cache.size(3), tables.size(1), static_cast<float>(scale));
+  });
+#endif
+  return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
+}
+
 // q: [num_seqs, num_heads, head_dim] (computed in float32); kv_cache: [2, num_blocks, block_size, Hkv, D]
 // float32 or bfloat16; block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32.
 // Returns like q.
@@ -336,6 +394,7 @@ inline torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0 && q.size(2) == kv_cache.size(4),
               "query heads must be a multiple of KV heads, of the same head_dim");
+  if (avx512_supports(kv_cache)) return paged_attention(q, kv_cache, block_tables, seq_lens, std::nullopt, scale);
   const auto tables = block_tables.contiguous();
   const auto lens = seq_lens.contiguous();
   const auto qf = q.to(at::kFloat).contiguous();
@@ -348,17 +407,6 @@ inline torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k
            out.data_ptr<float>(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.size(1),
            static_cast<float>(scale));
   };
-#ifdef TM_ATTN_AVX512
-  if (kv_cache.scalar_type() == at::kBFloat16 && block_size == avx512::kBlock) {
-    const at::BFloat16* cache = kv_cache.data_ptr<at::BFloat16>();
-    const bool done = avx512::with_chunks(head_dim, [&](auto c) {
-      avx512::decode<c()>(qf.data_ptr<float>(), cache, cache + cache_half, tables.data_ptr<int32_t>(),
-                          lens.data_ptr<int32_t>(), out.data_ptr<float>(), num_seqs, num_heads, num_kv_heads,
-                          tables.size(1), static_cast<float>(scale));
-    });
-    if (done) return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
-  }
-#endif
   if (kv_cache.scalar_type() == at::kFloat) run(kv_cache.data_ptr<float>());
   else if (kv_cache.scalar_type() == at::kBFloat16) run(kv_cache.data_ptr<at::BFloat16>());
   else TORCH_CHECK(false, "kv_cache must be float32 or bfloat16, got ", kv_cache.scalar_type());

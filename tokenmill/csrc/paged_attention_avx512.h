@@ -1,0 +1,312 @@
+// Paged attention over a bf16 cache with AVX-512 BF16 dot products (vdpbf16ps): decode rows and
+// prompt chunks (a cached prefix included) in one kernel, reading the cache blocks in place. The fast
+// path of paged_decode.h on CPUs that have the instructions; block size 16, head_dim 32, 64 or 128.
+//
+// A work item is (sequence, kv head, tile of query tokens); its rows are the (token, query head)
+// pairs of the tile's tokens and the kv head's GQA group. The item first copies its context out of
+// the cache blocks once, rearranged for the dot products (into L1/L2-sized buffers):
+//   keys   [blocks][D/2][16]: each vector holds one (k[2i], k[2i+1]) pair of all 16 keys of a block, so
+//          16 scores of a row come out of D/2 dot products with no horizontal sums;
+//   values [tokens/2][D/16][16]: each vector holds (v[2s][d], v[2s+1][d]) for 16 columns d, so a row's
+//          probability pair (p[2s], p[2s+1]) weights two value rows in one instruction.
+// Then the scores of all rows (query times scale rounded to bf16, float32 sums), one exact softmax
+// per row over its causal context (paged_decode.h's softmax_row), probabilities rounded to bf16,
+// and the weighted values (float32 sums). The rounding is the only difference from the portable
+// kernel: scores and outputs agree to bf16 precision (the tests emulate it exactly).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace tokenmill::attn::avx512 {
+
+constexpr int64_t kBlock = 16;       // tokens per cache block (one vector of scores)
+constexpr int64_t kTileRows = 48;    // query rows per work item of a prompt chunk
+constexpr int kScoreRows = 12;       // rows whose scores are summed together, in registers
+constexpr int kValueAccumulators = 24;  // value pass: rows x (head_dim / 16) vectors in registers
+constexpr int64_t kAheadBlocks = 2;  // blocks prefetched ahead (blocks may lie anywhere in the pool)
+
+// Independent sums per row so enough dot products are in flight (latency ~6 cycles).
+constexpr int unroll_for(int rows) { return rows >= 8 ? 1 : rows >= 4 ? 2 : 4; }
+
+inline __mmask16 first_lanes(int64_t n) {  // lanes [0, n) of 16
+  return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// ------------------------------------------------------------------------------- the context copy
+// 16 rows of 16 dwords -> 16 columns: r[i][j] becomes r[j][i].
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i a[16], b[16];
+  for (int k = 0; k < 8; ++k) {  // per 128-bit lane L: rows 2k, 2k+1 of columns 4L..4L+3, interleaved
+    a[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    a[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {  // b[4k + c], lane L: column 4L + c of rows 4k..4k+3
+    b[4 * k] = _mm512_unpacklo_epi64(a[4 * k], a[4 * k + 2]);
+    b[4 * k + 1] = _mm512_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
+    b[4 * k + 2] = _mm512_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
+    b[4 * k + 3] = _mm512_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4L + c: lane L of b[c], b[4 + c], b[8 + c], b[12 + c]
+    const __m512i x0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44);
+    const __m512i y1 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
+
+// One block's n <= 16 key rows (bf16, `stride` apart) -> kt [D/2][16] dword pairs; rows past n: zeros.
+template <int C>  // C = head_dim / 16
+inline void copy_keys(const at::BFloat16* k, int64_t stride, int64_t n, uint32_t* kt) {
+  for (int h = 0; h < C / 2; ++h) {  // 16 pairs (32 columns) at a time
+    __m512i r[16];
+    for (int t = 0; t < 16; ++t)
+      r[t] = t < n ? _mm512_loadu_si512(k + t * stride + 32 * h) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kt + (16 * h + i) * 16, r[i]);
+  }
+}
+
+// One block's n <= 16 value rows -> vp [8][C][16] dword pairs (v[2s][d], v[2s+1][d]); rows past n: zeros.
+template <int C>
+inline void copy_values(const at::BFloat16* v, int64_t stride, int64_t n, uint32_t* vp) {
+  alignas(64) static constexpr uint16_t lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i idx_lo = _mm512_load_si512(lo), idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
+  for (int s = 0; s < 8; ++s)
+    for (int h = 0; h < C / 2; ++h) {  // 32 columns of rows 2s and 2s + 1
+      const __m512i a = 2 * s < n ? _mm512_loadu_si512(v + 2 * s * stride + 32 * h) : _mm512_setzero_si512();
+      const __m512i b = 2 * s + 1 < n ? _mm512_loadu_si512(v + (2 * s + 1) * stride + 32 * h) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vp + (s * C + 2 * h) * 16, _mm512_permutex2var_epi16(a, idx_lo, b));
+      _mm512_storeu_si512(vp + (s * C + 2 * h + 1) * 16, _mm512_permutex2var_epi16(a, idx_hi, b));
+    }
+}
+
+// ------------------------------------------------------------------------------- the dot products
+// s[r][0, 16) = q[r] . k[t] for the 16 keys of one block; q: [R][D/2] bf16 pairs.
+template <int R, int C>
+inline void block_scores(const uint32_t* q, const uint32_t* kt, float* s, int64_t s_stride) {
+  constexpr int U = unroll_for(R), kPairs = 8 * C;
+  __m512 acc[U][R];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
+  #pragma GCC unroll 4
+  for (int i = 0; i < kPairs; i += U)
+    #pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(kt + (i + u) * 16);
+      #pragma GCC unroll 12
+      for (int r = 0; r < R; ++r)
+        acc[u][r] = _mm512_dpbf16_ps(acc[u][r], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * kPairs + i + u])), k);
+    }
+  for (int r = 0; r < R; ++r) {
+    for (int u = 1; u < U; ++u) acc[0][r] = _mm512_add_ps(acc[0][r], acc[u][r]);
+    _mm512_storeu_ps(s + r * s_stride, acc[0][r]);
+  }
+}
+
+// out[r] = scale[r] * sum_s (p[r][2s] v[2s] + p[r][2s+1] v[2s+1]) over `pairs` value pairs.
+template <int R, int C>
+inline void weighted_values(const uint32_t* p, int64_t p_stride, const uint32_t* vp, int64_t pairs,
+                            const float* scale, float* out, int64_t out_stride) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < pairs; ++s) {
+    __m512bh v[C];
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vp + (s * C + c) * 16);
+    #pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[r * p_stride + s]));
+      #pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pr, v[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(out + r * out_stride + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(scale[r])));
+}
+
+// Calls f(integral_constant<int, n>) for n in [1, kMax]: the row count sizes the register arrays.
+template <int kMax, typename F>
+inline void with_rows(int n, F&& f) {
+  if constexpr (kMax > 1)
+    if (n < kMax) return with_rows<kMax - 1>(n, f);
+  f(std::integral_constant<int, kMax>{});
+}
+
+// Calls f(integral_constant<int, C>) for head_dim / 16 in {2, 4, 8}; false for other head dims.
+template <typename F>
+inline bool with_chunks(int64_t head_dim, F&& f) {
+  switch (head_dim) {
+    case 32: f(std::integral_constant<int, 2>{}); return true;
+    case 64: f(std::integral_constant<int, 4>{}); return true;
+    case 128: f(std::integral_constant<int, 8>{}); return true;
+    default: return false;
+  }
+}
+
+// ------------------------------------------------------------------------------- the kernel
+// One kv head's share of an item, out of its rearranged context: kt, vp as copy_keys / copy_values
+// write them for the item's blocks; q rows r = (token, head of the GQA group), `rows` of them, the
+// row of token i seeing row_len[i * group + ...] keys. Buffers: [rows][...] scratch in `work`.
+struct Scratch {
+  std::vector<uint32_t> qb, p;  // rounded queries, probabilities: bf16 pairs
+  std::vector<float> s, inv_sum;
+};
+
+template <int C>
+inline void attend_head(const float* const* q_rows, float* const* out_rows, const int64_t* row_len, int64_t rows,
+                        const uint32_t* kt, const uint32_t* vp, int64_t padded, float scale, Scratch& w) {
+  constexpr int64_t D = 16 * C, kPairs = D / 2;
+  constexpr int kValueRows = kValueAccumulators / C;
+  const int64_t p_stride = (padded + 31) / 32 * 16;  // pairs per probability row, whole vectors
+  w.qb.resize(rows * kPairs);
+  w.s.resize(rows * padded);
+  w.p.resize(rows * p_stride);
+  w.inv_sum.resize(rows);
+  for (int64_t r = 0; r < rows; ++r)  // queries times scale, rounded to bf16 pairs
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(q_rows[r] + d), _mm512_set1_ps(scale));
+      const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(q_rows[r] + d + 16), _mm512_set1_ps(scale));
+      _mm512_storeu_si512(w.qb.data() + r * kPairs + d / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  // Scores, kScoreRows rows at a time over the blocks the last of them sees (rows see more keys in order).
+  for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
+    const int n_rows = static_cast<int>(std::min<int64_t>(kScoreRows, rows - r0));
+    const int64_t blocks = (row_len[r0 + n_rows - 1] + kBlock - 1) / kBlock;
+    with_rows<kScoreRows>(n_rows, [&](auto nr) {
+      for (int64_t j = 0; j < blocks; ++j)
+        block_scores<nr(), C>(w.qb.data() + r0 * kPairs, kt + j * kBlock * kPairs, w.s.data() + r0 * padded + j * kBlock,
+                              padded);
+    });
+  }
+  // Softmax over each row's context; probabilities rounded to bf16, zeros past the context.
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = w.s.data() + r * padded;
+    w.inv_sum[r] = softmax_row(sr, row_len[r]);
+    for (int64_t t = 0; t < 2 * p_stride; t += 32) {
+      const __m512 lo = _mm512_maskz_loadu_ps(first_lanes(row_len[r] - t), sr + t);
+      const __m512 hi = _mm512_maskz_loadu_ps(first_lanes(row_len[r] - t - 16), sr + t + 16);
+      _mm512_storeu_si512(w.p.data() + r * p_stride + t / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+  // Weighted values, kValueRows rows at a time over the pairs the last of them sees.
+  for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
+    const int n_rows = static_cast<int>(std::min<int64_t>(kValueRows, rows - r0));
+    const int64_t pairs = (row_len[r0 + n_rows - 1] + 1) / 2;
+    with_rows<kValueRows>(n_rows, [&](auto nr) {
+      alignas(64) float o[nr()][D];
+      weighted_values<nr(), C>(w.p.data() + r0 * p_stride, p_stride, vp, pairs, w.inv_sum.data() + r0, &o[0][0], D);
+      for (int r = 0; r < nr(); ++r) std::memcpy(out_rows[r0 + r], o[r], D * sizeof(float));
+    });
+  }
+}
+
+// q: [tokens, num_heads, D] float32, the rows of sequence i at [query_start[i], query_start[i + 1]),
+// the last ones of its context of seq_lens[i] tokens (each attends to its position and before); no
+// query_start: one row per sequence. The cache halves: [num_blocks, 16, num_kv_heads, D] bf16.
+// out: like q. A sequence with no context gets zeros.
+//
+// A work item is a tile of a sequence's query tokens and all its kv heads, so that its copy reads
+// each block's rows of every head, one contiguous run (random blocks, head by head: ~16 GB/s here;
+// contiguous runs ~25, on huge pages ~40); with too few tiles to keep the threads busy, one kv head.
+template <int C>
+void attend(const float* q, const int32_t* query_start, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
+            const int32_t* block_tables, const int32_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
+            int64_t num_kv_heads, int64_t max_blocks, float scale) {
+  constexpr int64_t D = 16 * C, kPairs = D / 2;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group);
+  const int64_t token_stride = num_kv_heads * D, block_stride = kBlock * token_stride;
+  const auto start = [&](int64_t seq) -> int64_t { return query_start ? query_start[seq] : seq; };
+  struct Item {
+    int64_t seq, first, tokens, kvh0, heads;  // query tokens [first, first + tokens), kv heads [kvh0, + heads)
+  };
+  int64_t tiles = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) tiles += (start(seq + 1) - start(seq) + tile_tokens - 1) / tile_tokens;
+  const int64_t heads_per_item = tiles >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  std::vector<Item> items;
+  std::vector<int64_t> costs;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t q_len = start(seq + 1) - start(seq), seq_len = seq_lens[seq];
+    for (int64_t first = 0; first < q_len; first += tile_tokens)
+      for (int64_t kvh0 = 0; kvh0 < num_kv_heads; kvh0 += heads_per_item) {
+        const int64_t tokens = std::min(tile_tokens, q_len - first);
+        items.push_back({seq, first, tokens, kvh0, heads_per_item});
+        // copies the context up to the tile's last token, then works on it per query row; + per-item overhead
+        const int64_t context = std::max<int64_t>(0, seq_len - q_len + first + tokens);
+        costs.push_back(heads_per_item * (context * (tokens * group + 8) + 64 * kBlock));
+      }
+  }
+  const std::vector<std::vector<int64_t>> plan = balance(costs);
+  at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> kt, vp;  // [heads][padded * kPairs] each: the item's context, rearranged
+    std::vector<int64_t> row_len;
+    std::vector<const float*> q_rows;
+    std::vector<float*> out_rows;
+    Scratch scratch;
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (const int64_t index : plan[worker]) {
+        const Item& it = items[index];
+        const int64_t q_len = start(it.seq + 1) - start(it.seq), seq_len = seq_lens[it.seq];
+        const int64_t rows = it.tokens * group;  // per kv head: (token, query head of its group)
+        const auto row_of = [&](int64_t kvh, int64_t r) {  // [tokens, num_heads] index of a head's row r
+          return (start(it.seq) + it.first + r / group) * num_heads + kvh * group + r % group;
+        };
+        if (seq_len <= 0) {
+          for (int64_t h = it.kvh0; h < it.kvh0 + it.heads; ++h)
+            for (int64_t r = 0; r < rows; ++r) std::fill_n(out + row_of(h, r) * D, D, 0.0f);
+          continue;
+        }
+        const int64_t context = seq_len - q_len + it.first + it.tokens;  // keys the tile's last row sees
+        const int64_t num_blocks = (context + kBlock - 1) / kBlock, padded = num_blocks * kBlock;
+        const int64_t head_size = padded * kPairs;
+        kt.resize(it.heads * head_size);
+        vp.resize(it.heads * head_size);
+        // The context, out of the cache blocks, the item's rows of each block requested ahead.
+        const int32_t* table = block_tables + it.seq * max_blocks;
+        const auto prefetch = [&](int64_t j) {
+          if (j < num_blocks)
+            for (const at::BFloat16* half : {k_cache, v_cache})
+              prefetch_rows(half + table[j] * block_stride + it.kvh0 * D, kBlock, token_stride, it.heads * D * 2);
+        };
+        for (int64_t j = 0; j < kAheadBlocks; ++j) prefetch(j);
+        for (int64_t j = 0; j < num_blocks; ++j) {
+          prefetch(j + kAheadBlocks);
+          const int64_t n = std::min(kBlock, context - j * kBlock);
+          for (int64_t h = 0; h < it.heads; ++h) {
+            const int64_t offset = table[j] * block_stride + (it.kvh0 + h) * D;
+            copy_keys<C>(k_cache + offset, token_stride, n, kt.data() + h * head_size + j * kBlock * kPairs);
+            copy_values<C>(v_cache + offset, token_stride, n, vp.data() + h * head_size + j * kBlock * kPairs);
+          }
+        }
+        row_len.resize(rows);
+        q_rows.resize(rows);
+        out_rows.resize(rows);
+        for (int64_t r = 0; r < rows; ++r) row_len[r] = seq_len - q_len + it.first + r / group + 1;
+        for (int64_t h = 0; h < it.heads; ++h) {
+          for (int64_t r = 0; r < rows; ++r) {
+            q_rows[r] = q + row_of(it.kvh0 + h, r) * D;
+            out_rows[r] = out + row_of(it.kvh0 + h, r) * D;
+          }
+          attend_head<C>(q_rows.data(), out_rows.data(), row_len.data(), rows, kt.data() + h * head_size,
+                         vp.data() + h * head_size, padded, scale, scratch);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace tokenmill::attn::avx512
