@@ -2,9 +2,10 @@
 // prompt chunks (a cached prefix included) in one kernel, reading the cache blocks in place. The fast
 // path of paged_decode.h on CPUs that have the instructions; block size 16, head_dim 32, 64 or 128.
 //
-// A work item is (sequence, kv head, tile of query tokens); its rows are the (token, query head)
-// pairs of the tile's tokens and the kv head's GQA group. The item first copies its context out of
-// the cache blocks once, rearranged for the dot products (into L1/L2-sized buffers):
+// A work item is a tile of one sequence's query tokens and its kv heads (see attend); per kv head,
+// its rows are the (token, query head) pairs of the tile's tokens and the head's GQA group. The item
+// first copies its context out of the cache blocks once, rearranged for the dot products (into
+// L1/L2-sized buffers):
 //   keys   [blocks][D/2][16]: each vector holds one (k[2i], k[2i+1]) pair of all 16 keys of a block, so
 //          16 scores of a row come out of D/2 dot products with no horizontal sums;
 //   values [tokens/2][D/16][16]: each vector holds (v[2s][d], v[2s+1][d]) for 16 columns d, so a row's
@@ -12,7 +13,7 @@
 // Then the scores of all rows (query times scale rounded to bf16, float32 sums), one exact softmax
 // per row over its causal context (paged_decode.h's softmax_row), probabilities rounded to bf16,
 // and the weighted values (float32 sums). The rounding is the only difference from the portable
-// kernel: scores and outputs agree to bf16 precision (the tests emulate it exactly).
+// kernel: scores and outputs agree to bf16 precision (the tests emulate the rounding).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -158,14 +159,15 @@ inline bool with_chunks(int64_t head_dim, F&& f) {
 }
 
 // ------------------------------------------------------------------------------- the kernel
-// One kv head's share of an item, out of its rearranged context: kt, vp as copy_keys / copy_values
-// write them for the item's blocks; q rows r = (token, head of the GQA group), `rows` of them, the
-// row of token i seeing row_len[i * group + ...] keys. Buffers: [rows][...] scratch in `work`.
+// Per-thread buffers of attend_head, reused from item to item.
 struct Scratch {
   std::vector<uint32_t> qb, p;  // rounded queries, probabilities: bf16 pairs
   std::vector<float> s, inv_sum;
 };
 
+// One kv head's share of an item, out of its rearranged context (kt, vp as copy_keys / copy_values
+// wrote them, `padded` keys): `rows` query rows (q_rows, written to out_rows), row r seeing the first
+// row_len[r] keys, nondecreasing in r.
 template <int C>
 inline void attend_head(const float* const* q_rows, float* const* out_rows, const int64_t* row_len, int64_t rows,
                         const uint32_t* kt, const uint32_t* vp, int64_t padded, float scale, Scratch& w) {
