@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -146,11 +148,11 @@ def test_cpp_decode_kernel_over_head_layouts(num_heads: int, num_kv_heads: int, 
     assert (got.double() - expected).abs().max().item() < 1e-5
 
 
-def test_avx512_kernel_serves_bf16_caches_on_this_machine() -> None:
-    # This machine class has AVX-512 BF16: the bf16 fast path must not silently fall back.
+def test_avx512_kernel_serves_bf16_caches_where_the_cpu_has_it() -> None:
+    # Built with -march=native: on a CPU with AVX-512 BF16 the fast path must not silently fall back.
     kernels = SDPABackend(torch.device("cpu"))._kernels
     cache = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
-    assert kernels.avx512_supports(cache)
+    assert kernels.avx512_supports(cache) == ("avx512_bf16" in Path("/proc/cpuinfo").read_text())
     assert not kernels.avx512_supports(cache.float()) and not kernels.avx512_supports(cache[..., :48].contiguous())
 
 
@@ -195,5 +197,9 @@ def test_paged_attention_rejects_bad_query_starts() -> None:
         pytest.skip("paged_attention needs an AVX-512 BF16 build")
     with pytest.raises(RuntimeError, match="query_start"):
         kernels.paged_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc[:-1], D**-0.5)
+    with pytest.raises(RuntimeError, match="at most its context"):  # more rows than context
+        kernels.paged_attention(q, cache, meta.block_tables, meta.seq_lens - 1, meta.query_start_loc, D**-0.5)
+    with pytest.raises(RuntimeError, match="at most its context"):  # a context past its block table
+        kernels.paged_attention(q, cache, meta.block_tables[:, :2], meta.seq_lens, meta.query_start_loc, D**-0.5)
     with pytest.raises(RuntimeError, match="float32 or bfloat16|AVX-512"):
         kernels.paged_attention(q, cache.half(), meta.block_tables, meta.seq_lens, meta.query_start_loc, D**-0.5)

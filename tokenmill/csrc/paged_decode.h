@@ -337,6 +337,7 @@ inline void decode(const float* q, const T* k_cache, const T* v_cache, const int
 // blocks and head_dim 32, 64 or 128, on a build for AVX-512 BF16.
 inline bool avx512_supports(const torch::Tensor& kv_cache) {
 #ifdef TM_ATTN_AVX512
+  if (kv_cache.dim() != 5) return false;
   const int64_t head_dim = kv_cache.size(4);
   return kv_cache.scalar_type() == at::kBFloat16 && kv_cache.size(2) == avx512::kBlock &&
          (head_dim == 32 || head_dim == 64 || head_dim == 128);
@@ -368,6 +369,16 @@ inline torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor
                 "query_start must be int32 [num_seqs + 1], ending at q's row count");
   } else {
     TORCH_CHECK(q.size(0) == lens.numel(), "without query_start, q has one row per sequence");
+  }
+  // The kernel trusts these to address the cache: every context within its block table, every
+  // sequence's rows the last of its context (a sequence with no context, a padding row, gets zeros).
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == lens.numel(), "block_tables: [num_seqs, max_blocks]");
+  for (int64_t i = 0; i < lens.numel(); ++i) {
+    const int64_t len = lens.data_ptr<int32_t>()[i];
+    const int64_t rows = query_start ? starts.data_ptr<int32_t>()[i + 1] - starts.data_ptr<int32_t>()[i] : 1;
+    TORCH_CHECK(rows >= 0 && len <= tables.size(1) * kv_cache.size(2) && (len <= 0 || rows <= len),
+                "sequence ", i, ": ", rows, " query rows, context ", len, " (block table of ", tables.size(1),
+                " blocks): query_start must be nondecreasing, each sequence's rows at most its context");
   }
   const auto qf = q.to(at::kFloat).contiguous();
   auto out = torch::empty_like(qf);
