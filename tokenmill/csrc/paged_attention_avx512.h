@@ -11,7 +11,7 @@
 //   values [tokens/2][D/16][16]: each vector holds (v[2s][d], v[2s+1][d]) for 16 columns d, so a row's
 //          probability pair (p[2s], p[2s+1]) weights two value rows in one instruction.
 // Then the scores of all rows (query times scale rounded to bf16, float32 sums), one exact softmax
-// per row over its causal context (paged_decode.h's softmax_row), probabilities rounded to bf16,
+// per row over its causal context (softmax_to_bf16, the portable kernel's exp), probabilities rounded to bf16,
 // and the weighted values (float32 sums). The rounding is the only difference from the portable
 // kernel: scores and outputs agree to bf16 precision (the tests emulate the rounding).
 #pragma once
@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -91,6 +92,24 @@ inline void copy_values(const at::BFloat16* v, int64_t stride, int64_t n, uint32
       _mm512_storeu_si512(vp + (s * C + 2 * h) * 16, _mm512_permutex2var_epi16(a, idx_lo, b));
       _mm512_storeu_si512(vp + (s * C + 2 * h + 1) * 16, _mm512_permutex2var_epi16(a, idx_hi, b));
     }
+}
+
+// ------------------------------------------------------------------------------- the softmax
+// p[0, pairs) <- exp(s[t] - max(s)) for t < n as bf16 pairs, zeros past n; returns 1 / their
+// float32 sum (of the values before rounding, as softmax_row).
+inline float softmax_to_bf16(const float* s, int64_t n, uint32_t* p, int64_t pairs) {
+  __m512 lane_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < n; t += 16) lane_max = _mm512_max_ps(lane_max, _mm512_mask_loadu_ps(lane_max, first_lanes(n - t), s + t));
+  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(lane_max));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < 2 * pairs; t += 32) {
+    const __mmask16 m_lo = first_lanes(n - t), m_hi = first_lanes(n - t - 16);
+    const __m512 lo = _mm512_maskz_mov_ps(m_lo, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m_lo, s + t), max)));
+    const __m512 hi = _mm512_maskz_mov_ps(m_hi, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m_hi, s + t + 16), max)));
+    sum = _mm512_add_ps(sum, _mm512_add_ps(lo, hi));
+    _mm512_storeu_si512(p + t / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+  return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
 // ------------------------------------------------------------------------------- the dot products
@@ -195,15 +214,8 @@ inline void attend_head(const float* const* q_rows, float* const* out_rows, cons
     });
   }
   // Softmax over each row's context; probabilities rounded to bf16, zeros past the context.
-  for (int64_t r = 0; r < rows; ++r) {
-    float* sr = w.s.data() + r * padded;
-    w.inv_sum[r] = softmax_row(sr, row_len[r]);
-    for (int64_t t = 0; t < 2 * p_stride; t += 32) {
-      const __m512 lo = _mm512_maskz_loadu_ps(first_lanes(row_len[r] - t), sr + t);
-      const __m512 hi = _mm512_maskz_loadu_ps(first_lanes(row_len[r] - t - 16), sr + t + 16);
-      _mm512_storeu_si512(w.p.data() + r * p_stride + t / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    w.inv_sum[r] = softmax_to_bf16(w.s.data() + r * padded, row_len[r], w.p.data() + r * p_stride, p_stride);
   // Weighted values, kValueRows rows at a time over the pairs the last of them sees.
   for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
     const int n_rows = static_cast<int>(std::min<int64_t>(kValueRows, rows - r0));
