@@ -60,7 +60,7 @@ def test_backend_matches_reference_on_a_mixed_batch(backend: str, dtype: torch.d
 
 def test_cpp_decode_kernel_is_built_on_this_machine() -> None:
     # The fast path must not silently fall back: CI has a compiler and ninja.
-    assert SDPABackend(torch.device("cpu"))._paged_decode is not None
+    assert SDPABackend(torch.device("cpu"))._kernels is not None
 
 
 @pytest.mark.parametrize("backend", ["cpu", "sdpa"])
@@ -84,10 +84,10 @@ def test_float32_activations_over_a_bf16_cache(backend: str) -> None:
 
 
 def test_cpp_decode_kernel_rejects_a_float16_cache() -> None:
-    kernels = SDPABackend(torch.device("cpu"))._paged_decode
+    kernels = SDPABackend(torch.device("cpu"))._kernels
     q, _, _, cache, meta = mixed_batch(torch.float32)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        kernels(q[:2].contiguous(), cache.half(), meta.block_tables[:2], meta.seq_lens[:2], D**-0.5)
+        kernels.paged_decode(q[:2].contiguous(), cache.half(), meta.block_tables[:2], meta.seq_lens[:2], D**-0.5)
 
 
 def _gathered_reference(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,

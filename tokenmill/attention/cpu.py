@@ -22,10 +22,8 @@ class SDPABackend:
     supports_cuda_graphs = False  # its KV write (index_copy_) cannot skip the graph runner's padding slots
 
     def __init__(self, device: torch.device, use_cpp_kernels: bool = True) -> None:
-        kernels = cpu_extensions.load("paged_decode") if use_cpp_kernels and device.type == "cpu" else None
-        self._paged_decode = kernels.paged_decode if kernels is not None else None
-        self._kernels = kernels
-        if self._paged_decode is not None:
+        self._kernels = cpu_extensions.load("paged_decode") if use_cpp_kernels and device.type == "cpu" else None
+        if self._kernels is not None:
             self.name = "cpu"
 
     def forward(
@@ -66,8 +64,8 @@ class SDPABackend:
         self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
         max_seq_len: int, scale: float,
     ) -> torch.Tensor:
-        if self._paged_decode is not None and kv_cache.dtype in (torch.float32, torch.bfloat16):
-            return self._paged_decode(q.contiguous(), kv_cache, block_tables, seq_lens, scale)
+        if self._kernels is not None and kv_cache.dtype in (torch.float32, torch.bfloat16):
+            return self._kernels.paged_decode(q.contiguous(), kv_cache, block_tables, seq_lens, scale)
         return self._decode_sdpa(q, kv_cache, block_tables, seq_lens, max_seq_len, scale)
 
     @staticmethod
