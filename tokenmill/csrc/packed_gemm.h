@@ -15,6 +15,8 @@
 //   weights: cheaper than a trip through a widened float32 copy of the panel, measured up to 96
 //   rows), and from kDequantizeRows rows on (prefill) both kinds are dequantized for a dense float32
 //   GEMM.
+// These are the AVX2 layouts and kernels; CPUs with AVX-512 BF16 and VNNI take packed_gemm_avx512.h
+// (bf16 in k pairs, int8 in k quads against int8 activation groups) at every row count.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -34,7 +36,7 @@
 #include <immintrin.h>
 #define TM_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-#define TM_AVX512 1  // bf16 and int16 dot products: packed_gemm_avx512.h
+#define TM_AVX512 1  // bf16 and int8 dot products: packed_gemm_avx512.h
 #endif
 #endif
 
@@ -426,7 +428,8 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
   return y;
 }
 
-// x: [M, K] float32 contiguous; packed: [P, K, 16] bf16 or [P, K + K % 2, 16] int8 (layouts above); scale, bias: [P * 16] float32
+// x: [M, K] float32 contiguous; packed: [P, KP, 16] bf16 or int8 (layouts above and in packed_gemm_avx512.h);
+// scale, bias: [P * 16] float32
 // (scale all ones for bf16) -> [M, N] float32
 inline at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                                 const at::Tensor& bias, int64_t N) {
@@ -436,12 +439,12 @@ inline at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, c
   const int64_t K = x.size(1), P = packed.size(0), KP = packed.size(1);
   const bool int8 = packed.scalar_type() == at::kChar;
   TORCH_CHECK(int8 || packed.scalar_type() == at::kBFloat16, "packed weights must be int8 or bfloat16");
-#ifdef TM_AVX512
-  const bool pairs = true;  // bf16 panels in k pairs too (quant/panels.py)
+#ifdef TM_AVX512  // bf16 panels in k pairs, int8 in k quads of whole groups (quant/panels.py)
+  const int64_t expected = int8 ? (K + avx512::kGroup - 1) / avx512::kGroup * avx512::kGroup : K + K % 2;
 #else
-  const bool pairs = int8;
+  const int64_t expected = int8 ? K + K % 2 : K;
 #endif
-  TORCH_CHECK(KP == (pairs ? K + K % 2 : K), "x has ", K, " features, the weight ", KP);
+  TORCH_CHECK(KP == expected, "x has ", K, " features, the weight ", KP, " (expected ", expected, ")");
   TORCH_CHECK(P * kPanel >= N && scale.numel() == P * kPanel && bias.numel() == P * kPanel, "bad scale/bias");
   if (int8) return linear(x, packed.data_ptr<int8_t>(), P, KP, scale, bias, N);
   return linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, KP, scale, bias, N);

@@ -1,12 +1,18 @@
 // The packed GEMM (packed_gemm.h) on CPUs with AVX-512 BF16 and VNNI: dot-product instructions that
-// multiply pairs of 16-bit values and add both products into a 32-bit lane.
+// multiply pairs (bf16) or quads (int8) of values and add all products into a 32-bit lane.
 // - bf16 weights: activation rows are rounded to bf16 (to nearest even) once per call, and
 //   vdpbf16ps multiplies each channel's (w[k], w[k+1]) by the row's (x[k], x[k+1]) into float32
 //   sums: 32 multiply-adds per instruction, twice an fp32 FMA's, with no widening of the weights.
-//   The weights are packed in k pairs ([P, K2/2, 16, 2], K2 = K rounded up to even, as int8): one
-//   64-byte load is the operand.
-// - int8 weights: the activation rows' int16 values (see packed_gemm.h) times the sign-extended
-//   weights with vpdpwssd, the integer form of the same pair product (k-pair panels as stored).
+//   The weights are packed in k pairs ([P, K2/2, 16, 2], K2 = K rounded up to even): one 64-byte
+//   load is the operand.
+// - int8 weights: activation rows are quantized to int8 in groups of kGroup = 32 values, one float
+//   scale per group (llama.cpp's q8_0: one scale per row costs SmolLM2 ~8% perplexity through its
+//   outlier channels, one per 32 values keeps it), and vpdpbusd multiplies each channel's
+//   (w[k], ..., w[k+3]) by the row's four values: 64 multiply-adds per instruction, twice bf16's.
+//   vpdpbusd takes one operand unsigned, so the weights are stored offset by 128 (u8 = w + 128) in
+//   k quads ([P, K4/4, 16, 4], K4 = K rounded up to kGroup) and each group's sum starts at
+//   -128 * (the group's sum of quantized activations), which cancels the offset exactly. After each
+//   group the int32 sum is scaled by the group's activation scale into float32.
 // Every row count runs these tiles (prefill too): they beat widening the weights for a BLAS sgemm.
 #pragma once
 
@@ -25,10 +31,11 @@
 namespace tokenmill::gemm::avx512 {
 
 constexpr int64_t kPanel = 16;     // output channels per panel (as packed_gemm.h)
-constexpr int kRows = 8;           // activation rows per register tile (x 2 panels: 16 accumulators)
+constexpr int kRows = 8;           // bf16: activation rows per register tile (x 2 panels: 16 accumulators)
+constexpr int kQuantRows = 4;      // int8: 8 int32 sums of the group + 8 float32 totals (3-6 rows measured alike, 7 slower)
+constexpr int64_t kGroup = 32;     // int8: activation values per scale (8 quads)
 constexpr int64_t kRowBlock = 128;  // activation rows kept hot (L2) while a thread's panels stream past
 constexpr int kStreams = 2;        // weight streams per thread with one activation row
-constexpr int64_t kFlushPairs = 128;  // int32 sums gain <= 2 * 127 * 32767 per k pair: flush well before 2^31
 
 // Independent partial sums per tile so enough dot products are in flight (latency ~6 cycles).
 constexpr int unroll_for(int accumulators) { return accumulators >= 8 ? 1 : accumulators >= 4 ? 2 : 4; }
@@ -49,7 +56,7 @@ inline std::vector<uint16_t> bf16_rows(const float* x, int64_t M, int64_t K, int
   return out;
 }
 
-inline __m512i broadcast_pair(const void* p) {  // one 32-bit (x[k], x[k+1]) pair to all 16 lanes
+inline __m512i broadcast_pair(const void* p) {  // one 32-bit (x[k], x[k+1]) pair (or int8 quad) to all 16 lanes
   int32_t pair;
   std::memcpy(&pair, p, sizeof pair);
   return _mm512_set1_epi32(pair);
@@ -99,56 +106,80 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* const (&pa
 }
 
 // ------------------------------------------------------------------------------- int8 weights
-// The same tile over int8 k-pair panels ([P, K2/2, 16, 2]) and int16 rows; int32 sums are moved to
-// float32 every kFlushPairs pairs, before they could overflow.
+// Activation rows as int8 groups: values [M, K4] (zero padded), per group a scale [M, G] and the
+// offset correction -128 * sum(values) [M, G], G = K4 / kGroup.
+struct Q8Rows {
+  std::vector<int8_t> values;
+  std::vector<float> scales;
+  std::vector<int32_t> offsets;
+};
+
+inline Q8Rows quantize_q8(const float* x, int64_t M, int64_t K, int64_t K4) {
+  const int64_t G = K4 / kGroup;
+  Q8Rows q{std::vector<int8_t>(M * K4, 0), std::vector<float>(M * G, 0.0f), std::vector<int32_t>(M * G, 0)};
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t k = g * kGroup;
+        const auto mask = [&](int64_t k0) -> __mmask16 {
+          return K - k0 >= 16 ? 0xFFFF : K <= k0 ? 0 : static_cast<__mmask16>((1u << (K - k0)) - 1);
+        };
+        const __m512 a = _mm512_maskz_loadu_ps(mask(k), x + m * K + k);
+        const __m512 b = _mm512_maskz_loadu_ps(mask(k + 16), x + m * K + k + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        if (!(amax > 0.0f)) continue;  // an all-zero group stays zero
+        const __m512 inv = _mm512_set1_ps(127.0f / amax);
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));  // to nearest even
+        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.values.data() + m * K4 + k), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.values.data() + m * K4 + k + 16), _mm512_cvtsepi32_epi8(qb));
+        q.scales[m * G + g] = amax / 127.0f;
+        q.offsets[m * G + g] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+      }
+  });
+  return q;
+}
+
+// NP panels x MR rows over all groups. Per group: int32 sums start at the rows' offset corrections,
+// take 8 quads of dot products, and are scaled into the float32 totals by the rows' group scales.
 template <int NP, int MR>
-inline void tile_int8(const int16_t* x, int64_t ldx, const int8_t* const (&panels)[NP], int64_t K2,
-                      int64_t ahead, __m512 (&out)[NP][MR]) {
-  constexpr int U = unroll_for(NP * MR);
+inline void tile_q8(const int8_t* x, int64_t ldx, const float* scales, const int32_t* offsets, int64_t ldg,
+                    const int8_t* const (&panels)[NP], int64_t groups, int64_t ahead, __m512 (&out)[NP][MR]) {
   #pragma GCC unroll 4
   for (int p = 0; p < NP; ++p)
     #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) out[p][i] = _mm512_setzero_ps();
-  const int64_t pairs = K2 / 2;
-  for (int64_t t0 = 0; t0 < pairs; t0 += kFlushPairs) {
-    const int64_t t1 = std::min(pairs, t0 + kFlushPairs);
-    __m512i acc[U][NP][MR];
-    #pragma GCC unroll 4
-    for (int u = 0; u < U; ++u)
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc[NP][MR];
+    #pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512i start = _mm512_set1_epi32(offsets[i * ldg + g]);
       #pragma GCC unroll 4
-      for (int p = 0; p < NP; ++p)
-        #pragma GCC unroll 8
-        for (int i = 0; i < MR; ++i) acc[u][p][i] = _mm512_setzero_si512();
-    const auto step = [&](int u, int64_t t) __attribute__((always_inline)) {
+      for (int p = 0; p < NP; ++p) acc[p][i] = start;
+    }
+    #pragma GCC unroll 8
+    for (int64_t t = g * kGroup / 4; t < (g + 1) * kGroup / 4; ++t) {
       #pragma GCC unroll 4
       for (int p = 0; p < NP; ++p) {
-        const int8_t* wp = panels[p] + t * 2 * kPanel;
-        if (ahead && t % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(wp + ahead), _MM_HINT_T1);
-        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)));
+        const int8_t* wp = panels[p] + t * 4 * kPanel;
+        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(wp + ahead), _MM_HINT_T1);
+        const __m512i w = _mm512_loadu_si512(wp);
         #pragma GCC unroll 8
-        for (int i = 0; i < MR; ++i) acc[u][p][i] = _mm512_dpwssd_epi32(acc[u][p][i], broadcast_pair(x + i * ldx + 2 * t), w);
+        for (int i = 0; i < MR; ++i) acc[p][i] = _mm512_dpbusd_epi32(acc[p][i], w, broadcast_pair(x + i * ldx + 4 * t));
       }
-    };
-    int64_t t = t0;
-    for (; t + U <= t1; t += U) {
-      #pragma GCC unroll 4
-      for (int u = 0; u < U; ++u) step(u, t + u);
     }
-    for (; t < t1; ++t) step(0, t);
-    #pragma GCC unroll 4
-    for (int p = 0; p < NP; ++p)
-      #pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i)
-        #pragma GCC unroll 4
-        for (int u = 0; u < U; ++u) out[p][i] = _mm512_add_ps(out[p][i], _mm512_cvtepi32_ps(acc[u][p][i]));
+    #pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512 s = _mm512_set1_ps(scales[i * ldg + g]);
+      #pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) out[p][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[p][i]), s, out[p][i]);
+    }
   }
 }
 
-// y[0:num_cols] = acc * row_scale * scale + bias (scale and bias are padded to whole panels).
-inline void store_row(__m512 acc, float row_scale, const float* scale, const float* bias, float* y,
-                      int64_t num_cols) {
-  const __m512 r = _mm512_fmadd_ps(_mm512_mul_ps(acc, _mm512_set1_ps(row_scale)), _mm512_loadu_ps(scale),
-                                   _mm512_loadu_ps(bias));
+// y[0:num_cols] = acc * scale + bias (scale and bias are padded to whole panels).
+inline void store_row(__m512 acc, const float* scale, const float* bias, float* y, int64_t num_cols) {
+  const __m512 r = _mm512_fmadd_ps(acc, _mm512_loadu_ps(scale), _mm512_loadu_ps(bias));
   const __mmask16 mask = num_cols >= kPanel ? 0xFFFF : static_cast<__mmask16>((1u << num_cols) - 1);
   _mm512_mask_storeu_ps(y, mask, r);
 }
@@ -158,15 +189,19 @@ inline void store_row(__m512 acc, float row_scale, const float* scale, const flo
 template <typename W>
 struct Problem {
   const W* weights;       // packed panels
-  int64_t panel_stride;   // elements per panel (K2 times 16)
-  int64_t K2;             // x's features rounded up to even (the panels' k pairs)
-  const void* x;          // bf16 rows (uint16_t) or int16 rows, [M, K2]
-  const float* row_scales;  // int8: one per row; bf16: nullptr (1)
+  int64_t panel_stride;   // elements per panel (KP times 16)
+  int64_t KP;             // x's features padded as the panels' k (bf16: even; int8: whole groups)
+  const void* x;          // bf16 rows (uint16_t) or int8 rows, [M, KP]
+  const float* group_scales;     // int8: [M, KP / kGroup]
+  const int32_t* group_offsets;  // int8: [M, KP / kGroup]
   const float* scale;
   const float* bias;
   float* y;               // [M, N]
   int64_t N;
 };
+
+template <typename W>
+constexpr int tile_rows() { return std::is_same_v<W, uint16_t> ? kRows : kQuantRows; }
 
 // The first row tile of a panel pair also pulls the thread's next pair toward the cache
 // (`ahead`), so its weights arrive from memory while this pair computes.
@@ -175,24 +210,25 @@ inline void run_tile(const Problem<W>& pr, int64_t m, const int64_t (&panel)[NP]
   __m512 out[NP][MR];
   const W* panels[NP];
   for (int p = 0; p < NP; ++p) panels[p] = pr.weights + panel[p] * pr.panel_stride;
-  if constexpr (std::is_same_v<W, uint16_t>)
-    tile_bf16<NP, MR>(static_cast<const uint16_t*>(pr.x) + m * pr.K2, pr.K2, panels, pr.K2, ahead, out);
-  else
-    tile_int8<NP, MR>(static_cast<const int16_t*>(pr.x) + m * pr.K2, pr.K2, panels, pr.K2, ahead, out);
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    tile_bf16<NP, MR>(static_cast<const uint16_t*>(pr.x) + m * pr.KP, pr.KP, panels, pr.KP, ahead, out);
+  } else {
+    const int64_t G = pr.KP / kGroup;
+    tile_q8<NP, MR>(static_cast<const int8_t*>(pr.x) + m * pr.KP, pr.KP, pr.group_scales + m * G,
+                    pr.group_offsets + m * G, G, panels, G, ahead, out);
+  }
   for (int p = 0; p < NP; ++p) {
     const int64_t n0 = panel[p] * kPanel, cols = std::min(kPanel, pr.N - n0);
-    for (int i = 0; i < MR; ++i) {
-      const float rs = pr.row_scales ? pr.row_scales[m + i] : 1.0f;
-      store_row(out[p][i], rs, pr.scale + n0, pr.bias + n0, pr.y + (m + i) * pr.N + n0, cols);
-    }
+    for (int i = 0; i < MR; ++i)
+      store_row(out[p][i], pr.scale + n0, pr.bias + n0, pr.y + (m + i) * pr.N + n0, cols);
   }
 }
 
 template <int NP, typename W>
 inline void run_rows(const Problem<W>& pr, int64_t m, int64_t mr, const int64_t (&panel)[NP], int64_t ahead) {
   switch (mr) {
-    case 8: return run_tile<NP, 8>(pr, m, panel, ahead);
-    case 7: return run_tile<NP, 7>(pr, m, panel, ahead);
+    case 8: if constexpr (tile_rows<W>() >= 8) return run_tile<NP, 8>(pr, m, panel, ahead); [[fallthrough]];
+    case 7: if constexpr (tile_rows<W>() >= 7) return run_tile<NP, 7>(pr, m, panel, ahead); [[fallthrough]];
     case 6: return run_tile<NP, 6>(pr, m, panel, ahead);
     case 5: return run_tile<NP, 5>(pr, m, panel, ahead);
     case 4: return run_tile<NP, 4>(pr, m, panel, ahead);
@@ -226,8 +262,8 @@ inline void run_panels(const Problem<W>& pr, int64_t M, int64_t begin, int64_t e
     return;
   }
   for (int64_t p = begin; p < end; p += 2) {
-    for (int64_t m = 0; m < M; m += kRows) {
-      const int64_t mr = std::min<int64_t>(kRows, M - m);
+    for (int64_t m = 0; m < M; m += tile_rows<W>()) {
+      const int64_t mr = std::min<int64_t>(tile_rows<W>(), M - m);
       const int64_t ahead = m == 0 && p + 3 < end ? 2 * pr.panel_stride : 0;
       if (p + 1 < end) {
         const int64_t panel[2] = {p, p + 1};
@@ -240,35 +276,37 @@ inline void run_panels(const Problem<W>& pr, int64_t M, int64_t begin, int64_t e
   }
 }
 
-// x: [M, K] float32 -> [M, N] float32; wp: P panels of k pairs, [P, K2, 16] bf16 or int8.
+// x: [M, K] float32 -> [M, N] float32; wp: P panels, [P, KP, 16]: bf16 k pairs (KP = K rounded up to
+// even) or int8 k quads offset by 128 (KP = K rounded up to kGroup).
 template <typename W>
 at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const at::Tensor& scale,
                   const at::Tensor& bias, int64_t N) {
-  const int64_t M = x.size(0), K = x.size(1), K2 = K + K % 2;
+  const int64_t M = x.size(0), K = x.size(1), G = KP / kGroup;
   at::Tensor y = at::empty({M, N}, x.options());
   std::vector<uint16_t> xb;
-  std::vector<int16_t> xi;
-  std::vector<float> row_scales;
+  Q8Rows xq;
   const float* xp = x.data_ptr<float>();
-  Problem<W> pr{wp, KP * kPanel, K2, nullptr, nullptr,
+  Problem<W> pr{wp, KP * kPanel, KP, nullptr, nullptr, nullptr,
                 scale.data_ptr<float>(), bias.data_ptr<float>(), y.data_ptr<float>(), N};
   if constexpr (std::is_same_v<W, uint16_t>) {
-    xb = bf16_rows(xp, M, K, K2);
+    xb = bf16_rows(xp, M, K, KP);
     pr.x = xb.data();
   } else {
-    Int16Rows q = quantize_rows(xp, M, K, K2);
-    xi = std::move(q.values);
-    row_scales = std::move(q.scales);
-    pr.x = xi.data();
-    pr.row_scales = row_scales.data();
+    xq = quantize_q8(xp, M, K, KP);
+    pr.x = xq.values.data();
+    pr.group_scales = xq.scales.data();
+    pr.group_offsets = xq.offsets.data();
   }
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     Problem<W> block = pr;
     const int64_t rows = std::min(kRowBlock, M - m0);
-    if constexpr (std::is_same_v<W, uint16_t>)
-      block.x = xb.data() + m0 * K2;
-    else
-      block.x = xi.data() + m0 * K2, block.row_scales = row_scales.data() + m0;
+    if constexpr (std::is_same_v<W, uint16_t>) {
+      block.x = xb.data() + m0 * KP;
+    } else {
+      block.x = xq.values.data() + m0 * KP;
+      block.group_scales = xq.scales.data() + m0 * G;
+      block.group_offsets = xq.offsets.data() + m0 * G;
+    }
     block.y = pr.y + m0 * N;
     // Whole panel pairs per thread (a lone panel only at the very end).
     at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t b, int64_t e) {

@@ -1,17 +1,17 @@
 """Per-output-channel symmetric int8 weights, quantized at load time from a float checkpoint.
 
-On CPU the GEMM is our C++ kernel (csrc/packed_gemm.h): it multiplies the int8 weights by the
-activation rows quantized to int16 (one scale per row, max|x| / 32767) with integer multiply-adds
-(AVX-512 VNNI's vpdpwssd at every row count; on AVX2 vpmaddwd up to 511 rows, and from 512 rows a
-float32 GEMM on weights dequantized once), so the weights are never widened to float; decode reads
-a quarter of the bytes of fp32 weights.
+On CPU the GEMM is our C++ kernel (csrc/packed_gemm.h), integer multiply-adds that never widen the
+weights to float; decode reads a quarter of the bytes of fp32 weights. The activations are quantized
+per call:
+- AVX-512 VNNI: to int8 in groups of 32 values, one scale per group (llama.cpp's q8_0), with
+  vpdpbusd, 64 multiply-adds per instruction: twice the rate of bf16 (or int16) dot products.
+- AVX2: to int16 rows (one scale per row, max|x| / 32767) with vpmaddwd up to 511 rows; from 512
+  rows a float32 GEMM on weights dequantized once.
 
-The int16 activations add an error of at most 1.5e-5 of a row's largest value, far below the
-weights' own rounding (half a step, scale/2). Why not int8 activations: fbgemm's dynamic int8 linear
-(`quantized::linear_dynamic`, 7-bit activations on AVX2) was faster at 8-256 tokens, but on SmolLM2
-its per-tensor activation scale cost +177% perplexity and a per-token scale +8% (+4.6% even at 8
-bits), from outlier channels. Only per-32-element activation scales (llama.cpp's q8_0) kept perplexity;
-int16 rows keep it with one scale per row."""
+Why groups: fbgemm's dynamic int8 linear (`quantized::linear_dynamic`) on SmolLM2 cost +177%
+perplexity with a per-tensor activation scale and +8% with a per-token one (+4.6% even at 8 bits),
+from outlier channels. Per-32-value scales keep perplexity (the quality test checks it); int16
+rows keep it with one scale per row (an error of at most 1.5e-5 of the row's largest value)."""
 
 from __future__ import annotations
 
@@ -61,9 +61,10 @@ class Int8Linear(nn.Module):
         self.kernel = kernel
         pad = (-self.out_features) % PANEL if kernel == "cpu" else 0
         bias = torch.zeros_like(scale) if bias is None and kernel == "cpu" else bias
-        # cpu: [num_panels, in (+1 if odd), 16] int8 (panels.py) and padded [num_panels * 16] scale and
+        self.quads = kernel == "cpu" and kernels.isa() == "avx512"  # the layout the built kernel reads
+        # cpu: [num_panels, in padded, 16] int8 (panels.py) and padded [num_panels * 16] scale and
         # bias; reference: [out, in]
-        self.register_buffer("qweight", pack_int8(q) if kernel == "cpu" else q)
+        self.register_buffer("qweight", pack_int8(q, self.quads) if kernel == "cpu" else q)
         self.register_buffer("scale", F.pad(scale.float(), (0, pad)))
         self.register_buffer("bias", None if bias is None else F.pad(bias.detach().float(), (0, pad)))
 
@@ -78,7 +79,7 @@ class Int8Linear(nn.Module):
     def int8_weight(self) -> torch.Tensor:
         """The quantized weight as int8 [out, in], whatever the storage layout."""
         if self.kernel == "cpu":
-            return unpack_int8(self.qweight, self.out_features, self.in_features)
+            return unpack_int8(self.qweight, self.out_features, self.in_features, self.quads)
         return self.qweight
 
     def dequantize(self) -> torch.Tensor:

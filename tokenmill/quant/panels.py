@@ -5,7 +5,10 @@
   (the high halves) with one shift and one mask.
 - k pairs (int8, and bf16 for AVX-512 BF16): [P, K/2, 16, 2] stored as [P, K, 16] (K padded to
   even): each channel's weights for k and k+1 side by side, the operand order of the kernel's pair
-  multiply-adds (vpmaddwd / vpdpwssd, vdpbf16ps)."""
+  multiply-adds (vpmaddwd, vdpbf16ps).
+- int8 k quads for AVX-512 VNNI: [P, K/4, 16, 4] stored as [P, K, 16] (K padded to whole groups of
+  GROUP), each channel's weights for k..k+3 side by side and offset by 128 (stored bits = w ^ 0x80):
+  the unsigned operand of vpdpbusd."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 PANEL = 16  # output channels per packed panel
+GROUP = 32  # int8 quads: K is padded to whole activation groups (csrc/packed_gemm_avx512.h kGroup)
 # stored position -> channel, for bf16 panels
 INTERLEAVE = torch.arange(PANEL).view(2, PANEL // 2).t().reshape(-1)
 
@@ -51,4 +55,25 @@ def unpack_pairs(packed: torch.Tensor, out_features: int, in_features: int) -> t
     return pairs.reshape(num_panels * PANEL, in_padded)[:out_features, :in_features]
 
 
-pack_int8, unpack_int8 = pack_pairs, unpack_pairs
+def pack_quads(q: torch.Tensor) -> torch.Tensor:
+    """[out, in] int8 -> [ceil(out / 16), in rounded up to GROUP, 16] int8 holding [P, K/4, 16, 4] of w + 128."""
+    in_padded = -(-q.shape[1] // GROUP) * GROUP
+    panels = _panels(q, in_padded).view(-1, PANEL, in_padded // 4, 4)
+    quads = panels.permute(0, 2, 1, 3).reshape(-1, in_padded, PANEL)
+    return (quads.view(torch.uint8) ^ 0x80).view(torch.int8).contiguous()
+
+
+def unpack_quads(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    num_panels, in_padded, _ = packed.shape
+    q = (packed.view(torch.uint8) ^ 0x80).view(torch.int8)
+    quads = q.view(num_panels, in_padded // 4, PANEL, 4).permute(0, 2, 1, 3)  # [P, 16, K/4, 4]
+    return quads.reshape(num_panels * PANEL, in_padded)[:out_features, :in_features]
+
+
+def pack_int8(q: torch.Tensor, quads: bool) -> torch.Tensor:
+    """The int8 panels the built kernel reads: k quads (AVX-512 VNNI) or k pairs."""
+    return pack_quads(q) if quads else pack_pairs(q)
+
+
+def unpack_int8(packed: torch.Tensor, out_features: int, in_features: int, quads: bool) -> torch.Tensor:
+    return (unpack_quads if quads else unpack_pairs)(packed, out_features, in_features)
