@@ -24,6 +24,7 @@ O / (P + O) of it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -157,25 +158,37 @@ def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     return num_bytes / best
 
 
-def measure_gemm(shape: ModelShape, dtype: str, rows: int, min_seconds: float = 0.2, blocks: int = 5) -> float:
-    """FLOP/s of the model's linear layers at `rows` tokens: sum of FLOPs over sum of time, each shape
-    weighted by how often a forward pass runs it, each timed as the best of `blocks` timing blocks (a
-    ceiling should not include other processes' interruptions). int8 weights are timed as bf16 and
-    float32 GEMMs (see measure_rates)."""
+def _gemm(dtype: str, rows: int, in_features: int, out_features: int) -> Callable[[], object]:
+    """One linear layer's product at `rows` tokens in `dtype`; int8 is torch's int8 x int8 -> int32
+    matmul (oneDNN, VNNI where the CPU has it)."""
     import torch
 
+    if dtype == "int8":
+        xi = torch.randint(-127, 128, (rows, in_features), dtype=torch.int8)  # [rows, in_features]
+        wi = torch.randint(-127, 128, (in_features, out_features), dtype=torch.int8)  # [in_features, out_features]
+        return lambda: torch._int_mm(xi, wi)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    x = torch.randn(rows, in_features, dtype=torch_dtype)  # [rows, in_features]
+    w = torch.randn(out_features, in_features, dtype=torch_dtype)  # [out_features, in_features]
+    return lambda: torch.nn.functional.linear(x, w)
+
+
+def measure_gemm(shape: ModelShape, dtype: str, rows: int, min_seconds: float = 0.2, blocks: int = 5) -> float:
+    """(FL)OP/s of the model's linear layers at `rows` tokens: sum of operations over sum of time, each
+    shape weighted by how often a forward pass runs it, each timed as the best of `blocks` timing
+    blocks (a ceiling should not include other processes' interruptions)."""
+    import torch
+
     flops = seconds = 0.0
     with torch.inference_mode():
         for out_features, in_features, count in shape.linear_shapes():
-            x = torch.randn(rows, in_features, dtype=torch_dtype)  # [rows, in_features]
-            w = torch.randn(out_features, in_features, dtype=torch_dtype)  # [out_features, in_features]
-            torch.nn.functional.linear(x, w)  # warm-up
+            gemm = _gemm(dtype, rows, in_features, out_features)
+            gemm()  # warm-up
             best = float("inf")
             for _ in range(blocks):
                 iters, start = 0, time.perf_counter()
                 while (elapsed := time.perf_counter() - start) < min_seconds / blocks or iters < 2:
-                    torch.nn.functional.linear(x, w)
+                    gemm()
                     iters += 1
                 best = min(best, elapsed / iters)
             flops += 2 * rows * in_features * out_features * count
@@ -194,10 +207,10 @@ def measure_rates(shape: ModelShape, dtype: str, batch: int, threads: int) -> Ma
     torch.set_num_threads(threads)
     try:
         bandwidth = measure_bandwidth()
-        # int8 weights: the ceiling is the faster of the bf16 and float32 GEMMs (on a CPU with AVX-512
-        # BF16, int8 x int16 dot products run at the bf16 rate; float32 alone would halve the ceiling).
+        # int8 weights: the fastest of an int8, a bf16 and a float32 GEMM (engines such as llama.cpp or
+        # an AVX2 build compute int8 weights in 16- or 32-bit arithmetic).
         candidates = {"bfloat16": ["bfloat16", "float32"], "float16": ["float16", "float32"],
-                      "int8": ["bfloat16", "float32"]}.get(dtype, [dtype])
+                      "int8": ["int8", "bfloat16", "float32"]}.get(dtype, [dtype])
         best = max(candidates, key=lambda d: measure_gemm(shape, d, batch, min_seconds=0.1))
         label = dtype if best == dtype else f"{dtype} as {best}"
         # The peak is the better dtype at PEAK_ROWS, chosen again: at one row a 16-bit GEMM can win by
