@@ -2,7 +2,7 @@
 (in TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default).
 
     paged_decode: decode attention over the paged KV cache (attention/csrc/paged_decode.cpp)
-    cpu_ops:      fused add+RMSNorm, SiLU-and-mul, in-place rotary (models/layers/csrc/cpu_ops.cpp)
+    cpu_ops:      fused add+RMSNorm, SiLU-and-mul, in-place rotary, sampling (models/layers/csrc/cpu_ops.cpp)
     decode_stack: every decoder layer of a decode step in one call (models/csrc/decode_stack.cpp)
 
 The kernels themselves are headers in tokenmill/csrc/, shared by these modules."""

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from tokenmill.models.layers.fused import cpu_ops
 from tokenmill.outputs import Logprob
 from tokenmill.sample.logprobs import compute_topk_logprobs, to_token_logprobs
 from tokenmill.sample.metadata import SamplingMetadata
@@ -169,6 +170,31 @@ def test_a_seeded_row_draws_its_noise_from_its_own_generator() -> None:
     assert (
         sample(logits, [SamplingParams(temperature=0.9, seed=42)], generators=[seeded(42)]).item() == expected
     )
+
+
+def inverse_cdf_reference(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The torch path: float32 softmax, float64 cumulative sum, first token whose cdf exceeds u * total."""
+    cdf = torch.softmax(logits / temperature.unsqueeze(1), dim=-1).double().cumsum(-1)  # [rows, vocab]
+    return (cdf <= (uniform * cdf[:, -1]).unsqueeze(1)).sum(-1).clamp(max=logits.shape[1] - 1)
+
+
+def test_the_cpu_sampling_kernel_draws_what_the_inverse_cdf_does() -> None:
+    ops = cpu_ops(torch.zeros(1))
+    if ops is None:
+        pytest.skip("the C++ CPU ops could not be built here")
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 49157, generator=gen) * 3  # a vocabulary that is not a whole number of chunks
+    logits[:, ::7] = float("-inf")  # masked tokens (logit_bias, min_tokens)
+    temperature = torch.rand(64, generator=gen) + 0.3
+    uniform = torch.rand(64, dtype=torch.float64, generator=gen)
+    got = ops.sample_rows(logits, temperature, uniform)
+    assert torch.equal(got, inverse_cdf_reference(logits, temperature, uniform))
+    # The ends of the cdf land on the first and the last token of nonzero probability, never a masked one.
+    ends = torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64)
+    edge = torch.full((2, 40), -30.0)
+    edge[:, [0, 1, 38, 39]] = float("-inf")
+    assert ops.sample_rows(edge, torch.ones(2), ends).tolist() == [2, 37]
+    assert ops.sample_rows(torch.full((1, 5), float("-inf")), torch.ones(1), ends[:1]).tolist() == [0]
 
 
 def test_a_seed_fixes_the_draw_whatever_the_batch_position_and_neighbours() -> None:

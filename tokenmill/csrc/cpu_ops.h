@@ -5,7 +5,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <vector>
 
 #include "avx2_math.h"
 
@@ -92,6 +95,80 @@ inline void rotary_(torch::Tensor qk, int64_t num_heads, int64_t head_dim, torch
       }
     }
   });
+}
+
+// The unnormalized probabilities exp((l - max) / T) of tokens [16c, 16c + 16) of a row of v logits,
+// zeros past v (a -inf logit, masked, weighs exactly 0); returns their sum.
+inline float chunk_weights(const float* l, int64_t v, int64_t c, float max, float inv_t, float* w) {
+  const int64_t first = 16 * c, n = std::min<int64_t>(16, v - first);
+#ifdef __AVX512F__
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __mmask16 in_row = static_cast<__mmask16>((1u << n) - 1);
+  const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(neg_inf), in_row, l + first);
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(neg_inf), _CMP_NEQ_OQ);
+  const __m512 e = exp512(_mm512_mul_ps(_mm512_sub_ps(x, _mm512_set1_ps(max)), _mm512_set1_ps(inv_t)));
+  const __m512 weights = _mm512_maskz_mov_ps(live, e);
+  _mm512_storeu_ps(w, weights);
+  return _mm512_reduce_add_ps(weights);
+#else
+  float sum = 0.0f;
+  for (int64_t t = 0; t < 16; ++t) sum += (w[t] = t < n ? std::exp((l[first + t] - max) * inv_t) : 0.0f);
+  return sum;
+#endif
+}
+
+// One token per row drawn from softmax(logits / temperature) by inverse CDF, without materializing
+// the probabilities: the first token whose running sum of weights exceeds uniform * (their total),
+// summed in float64 (a token of weight 0 never wins). Replaces softmax, a float64 cumsum and a
+// search over [rows, vocab] temporaries. logits: [R, V] float32; temperature: [R] float32 > 0;
+// uniform: [R] float64 in [0, 1) -> [R] int64.
+inline torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor uniform) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat,
+              "logits: contiguous [rows, vocab] float32");
+  TORCH_CHECK(temperature.is_contiguous() && temperature.scalar_type() == torch::kFloat &&
+                  temperature.numel() == logits.size(0) && uniform.is_contiguous() &&
+                  uniform.scalar_type() == torch::kDouble && uniform.numel() == logits.size(0),
+              "temperature: [rows] float32, uniform: [rows] float64");
+  const int64_t rows = logits.size(0), v = logits.size(1), chunks = (v + 15) / 16;
+  auto out = torch::zeros({rows}, logits.options().dtype(torch::kLong));
+  const float* lp = logits.data_ptr<float>();
+  const float* tp = temperature.data_ptr<float>();
+  const double* up = uniform.data_ptr<double>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(chunks);  // each chunk's total weight
+    alignas(64) float w[16];
+    for (int64_t r = begin; r < end; ++r) {
+      const float* l = lp + r * v;
+      float max = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : max)
+      for (int64_t t = 0; t < v; ++t) max = std::max(max, l[t]);
+      if (!(max > -std::numeric_limits<float>::infinity())) continue;  // every token masked: token 0
+      const float inv_t = 1.0f / tp[r];
+      double total = 0.0;
+      int64_t last = 0;  // the last chunk of nonzero weight: the draw never lands past it
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float s = chunk_weights(l, v, c, max, inv_t, w);
+        sums[c] = s;
+        total += s;
+        if (s > 0.0f) last = c;
+      }
+      const double target = up[r] * total;
+      double running = 0.0;
+      int64_t c = 0;
+      for (; c < last && running + sums[c] <= target; ++c) running += sums[c];
+      chunk_weights(l, v, c, max, inv_t, w);
+      int64_t pick = -1;
+      for (int t = 0; t < 16; ++t) {
+        if (w[t] <= 0.0f) continue;
+        pick = t;
+        running += w[t];
+        if (running > target) break;
+      }
+      op[r] = 16 * c + std::max<int64_t>(pick, 0);
+    }
+  });
+  return out;
 }
 
 }  // namespace tokenmill::ops

@@ -224,18 +224,13 @@ inline void run_tile(const Problem<W>& pr, int64_t m, const int64_t (&panel)[NP]
   }
 }
 
-template <int NP, typename W>
+// run_tile for mr <= MR rows (the row count sizes the register arrays).
+template <int NP, int MR = 0, typename W>
 inline void run_rows(const Problem<W>& pr, int64_t m, int64_t mr, const int64_t (&panel)[NP], int64_t ahead) {
-  switch (mr) {
-    case 8: if constexpr (tile_rows<W>() >= 8) return run_tile<NP, 8>(pr, m, panel, ahead); [[fallthrough]];
-    case 7: if constexpr (tile_rows<W>() >= 7) return run_tile<NP, 7>(pr, m, panel, ahead); [[fallthrough]];
-    case 6: return run_tile<NP, 6>(pr, m, panel, ahead);
-    case 5: return run_tile<NP, 5>(pr, m, panel, ahead);
-    case 4: return run_tile<NP, 4>(pr, m, panel, ahead);
-    case 3: return run_tile<NP, 3>(pr, m, panel, ahead);
-    case 2: return run_tile<NP, 2>(pr, m, panel, ahead);
-    default: return run_tile<NP, 1>(pr, m, panel, ahead);
-  }
+  constexpr int kMax = MR ? MR : tile_rows<W>();
+  if constexpr (kMax > 1)
+    if (mr < kMax) return run_rows<NP, kMax - 1>(pr, m, mr, panel, ahead);
+  run_tile<NP, kMax>(pr, m, panel, ahead);
 }
 
 // Rows [0, M) against panels [begin, end), two panels per tile. With one row a tile takes one panel

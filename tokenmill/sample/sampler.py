@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokenmill.models.layers.fused import cpu_ops
 from tokenmill.sample.logprobs import compute_topk_logprobs
 from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sample.penalties import apply_logit_bias, apply_penalties, mask_tokens
@@ -71,7 +72,16 @@ def _pick(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 
 def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Draws one token per row from the filtered softmax(logits / temperature); changes `logits`."""
+    """Draws one token per row from the filtered softmax(logits / temperature); changes `logits`.
+
+    Inverse CDF with one uniform per row (a vocab-wide noise row per step costs more than the rest of
+    sampling): the first token whose cumulative probability exceeds the uniform times the total, so a
+    zero-probability token (a flat step of the cdf) can never win."""
+    uniform = _uniforms(meta, logits.shape[0], logits.device)  # [num_reqs] float64
+    ops = cpu_ops(logits)
+    if ops is not None and meta.no_top_k and meta.no_top_p and meta.no_min_p:
+        # One pass per row in C++, no [num_reqs, vocab_size] temporaries (the common case on CPU).
+        return ops.sample_rows(logits, meta.temperature, uniform)
     logits /= meta.temperature.unsqueeze(1)
     if not (meta.no_top_k and meta.no_top_p):
         _apply_top_k_top_p(
@@ -81,17 +91,20 @@ def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     if not meta.no_min_p:
         threshold = meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [num_reqs, 1]
         probs.masked_fill_(probs < threshold, 0.0)
-    # Inverse CDF with one uniform per row (a vocab-wide noise row per step costs more than the
-    # rest of sampling). A seeded row takes its uniform from its own generator, so its draw depends
-    # on neither its row index nor its neighbours. float64 keeps the cumulative sum exact enough;
-    # right=True picks the first token whose cdf exceeds the target, so a zero-probability token
-    # (a flat step of the cdf) can never win.
-    uniform = torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device)  # [num_reqs]
-    for row, generator in meta.generators.items():
-        uniform[row] = torch.rand(1, dtype=torch.float64, generator=generator, device=probs.device)[0]
+    # float64 keeps the cumulative sum exact enough; right=True picks the first token whose cdf
+    # exceeds the target.
     cdf = probs.to(torch.float64).cumsum_(dim=-1)  # [num_reqs, vocab_size]
     targets = (uniform * cdf[:, -1]).unsqueeze(1)  # [num_reqs, 1]
     return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
+def _uniforms(meta: SamplingMetadata, num_rows: int, device: torch.device) -> torch.Tensor:
+    """One uniform per row, [num_rows] float64. A seeded row takes its uniform from its own generator,
+    so its draw depends on neither its row index nor its neighbours."""
+    uniform = torch.rand(num_rows, dtype=torch.float64, device=device)
+    for row, generator in meta.generators.items():
+        uniform[row] = torch.rand(1, dtype=torch.float64, generator=generator, device=device)[0]
+    return uniform
 
 
 def _apply_top_k_top_p(
