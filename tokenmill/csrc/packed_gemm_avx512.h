@@ -32,7 +32,7 @@ namespace tokenmill::gemm::avx512 {
 
 constexpr int64_t kPanel = 16;     // output channels per panel (as packed_gemm.h)
 constexpr int kRows = 8;           // bf16: activation rows per register tile (x 2 panels: 16 accumulators)
-constexpr int kQuantRows = 4;      // int8: 8 int32 sums of the group + 8 float32 totals (3-6 rows measured alike, 7 slower)
+constexpr int kQuantRows = 4;      // int8: 8 int32 group sums + 8 float32 totals (3-6 rows alike, 7 slower)
 constexpr int64_t kGroup = 32;     // int8: activation values per scale (8 quads)
 constexpr int64_t kRowBlock = 128;  // activation rows kept hot (L2) while a thread's panels stream past
 constexpr int kStreams = 2;        // weight streams per thread with one activation row
