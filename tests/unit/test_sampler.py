@@ -97,6 +97,11 @@ def test_sampler_leaves_the_callers_logits_unchanged_and_accepts_half_precision(
     out = Sampler()(logits, build(params, outputs=[[1, 2]] * 3))
     assert torch.equal(logits, before)
     assert out.sampled_token_ids.dtype == torch.int64 and out.sampled_token_ids.shape == (3,)
+    # float32 and a plain draw mixed with greedy: sampled without a copy, still read only.
+    logits = torch.randn(4, VOCAB)
+    before = logits.clone()
+    Sampler()(logits, build([SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)] * 2))
+    assert torch.equal(logits, before)
 
 
 # ---------------------------------------------------------------- the sampled distribution

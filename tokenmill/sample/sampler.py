@@ -5,6 +5,7 @@ independent of the rest of the batch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -34,7 +35,10 @@ class Sampler(nn.Module):
     """
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        logits = logits.to(torch.float32, copy=True)  # [num_reqs, vocab_size], ours to change in place
+        # [num_reqs, vocab_size] float32, ours to change in place; no copy where nothing below writes
+        # to it (greedy or a plain CPU draw, no bias, penalties or min_tokens: the common case).
+        if logits.dtype != torch.float32 or not _read_only(logits, meta):
+            logits = logits.to(torch.float32, copy=True)
         k = meta.max_num_logprobs
         raw_logprobs = logits.log_softmax(dim=-1) if k is not None else None  # [num_reqs, vocab_size]
         _apply_request_adjustments(logits, meta)
@@ -43,6 +47,19 @@ class Sampler(nn.Module):
             return SamplerOutput(sampled)
         token_ids, values, ranks = compute_topk_logprobs(raw_logprobs, sampled, k)
         return SamplerOutput(sampled, token_ids, values, ranks)
+
+
+def _read_only(logits: torch.Tensor, meta: SamplingMetadata) -> bool:
+    """Whether sampling these float32 logits leaves them unchanged."""
+    adjusted = not (meta.no_logit_bias and meta.no_penalties and meta.no_min_tokens)
+    return not adjusted and (meta.all_greedy or _cpu_draw(logits, meta) is not None)
+
+
+def _cpu_draw(logits: torch.Tensor, meta: SamplingMetadata) -> ModuleType | None:
+    """The C++ ops when they can draw these rows (a plain temperature draw on CPU), else None."""
+    if not (meta.no_top_k and meta.no_top_p and meta.no_min_p and logits.is_contiguous()):
+        return None
+    return cpu_ops(logits)
 
 
 def _apply_request_adjustments(logits: torch.Tensor, meta: SamplingMetadata) -> None:
@@ -78,9 +95,8 @@ def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     sampling): the first token whose cumulative probability exceeds the uniform times the total, so a
     zero-probability token (a flat step of the cdf) can never win."""
     uniform = _uniforms(meta, logits.shape[0], logits.device)  # [num_reqs] float64
-    ops = cpu_ops(logits)
-    if ops is not None and meta.no_top_k and meta.no_top_p and meta.no_min_p:
-        # One pass per row in C++, no [num_reqs, vocab_size] temporaries (the common case on CPU).
+    ops = _cpu_draw(logits, meta)
+    if ops is not None:  # one pass per row in C++, no [num_reqs, vocab_size] temporaries
         return ops.sample_rows(logits, meta.temperature, uniform)
     logits /= meta.temperature.unsqueeze(1)
     if not (meta.no_top_k and meta.no_top_p):
