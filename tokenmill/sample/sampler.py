@@ -51,8 +51,8 @@ class Sampler(nn.Module):
 
 def _read_only(logits: torch.Tensor, meta: SamplingMetadata) -> bool:
     """Whether sampling these float32 logits leaves them unchanged."""
-    adjusted = not (meta.no_logit_bias and meta.no_penalties and meta.no_min_tokens)
-    return not adjusted and (meta.all_greedy or _cpu_draw(logits, meta) is not None)
+    unadjusted = meta.no_logit_bias and meta.no_penalties and meta.no_min_tokens
+    return unadjusted and (meta.all_greedy or _cpu_draw(logits, meta) is not None)
 
 
 def _cpu_draw(logits: torch.Tensor, meta: SamplingMetadata) -> ModuleType | None:
@@ -89,7 +89,8 @@ def _pick(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 
 def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Draws one token per row from the filtered softmax(logits / temperature); changes `logits`.
+    """Draws one token per row from the filtered softmax(logits / temperature); the torch path
+    changes `logits`, the C++ draw does not.
 
     Inverse CDF with one uniform per row (a vocab-wide noise row per step costs more than the rest of
     sampling): the first token whose cumulative probability exceeds the uniform times the total, so a
