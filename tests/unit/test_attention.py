@@ -10,6 +10,7 @@ import torch
 from tokenmill.attention.backend import get_backend
 from tokenmill.attention.cpu import SDPABackend
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.pair_layout import from_pair_layout, to_pair_layout
 
 BLOCK, HQ, HKV, D, NUM_BLOCKS = 16, 8, 2, 32, 64
 
@@ -47,14 +48,30 @@ def mixed_batch(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     return q, k, v, cache, meta  # type: ignore[return-value]
 
 
+def _pairs(backend: str, cache: torch.Tensor) -> bool:
+    """Whether `backend` keeps this cache in the pair layout of our AVX-512 BF16 kernel."""
+    kernels = SDPABackend(torch.device("cpu"))._kernels
+    return backend == "cpu" and bool(kernels.avx512_supports(cache))
+
+
+def _served(backend: str, cache: torch.Tensor) -> torch.Tensor:
+    """The cache as `backend` stores it (pair layout or plain)."""
+    return to_pair_layout(cache) if _pairs(backend, cache) else cache
+
+
+def _plain(backend: str, cache: torch.Tensor) -> torch.Tensor:
+    return from_pair_layout(cache) if _pairs(backend, cache) else cache
+
+
 @pytest.mark.parametrize("backend", ["cpu", "sdpa"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_backend_matches_reference_on_a_mixed_batch(backend: str, dtype: torch.dtype, tol: float) -> None:
     q, k, v, cache, meta = mixed_batch(dtype)
     ref_cache = cache.clone()
+    cache = _served(backend, cache)
     expected = get_backend("torch_ref", torch.device("cpu")).forward(q, k, v, ref_cache, meta, D**-0.5)
     got = get_backend(backend, torch.device("cpu")).forward(q, k, v, cache, meta, D**-0.5)
-    assert torch.equal(cache, ref_cache)  # both wrote the same KV into the same slots
+    assert torch.equal(_plain(backend, cache), ref_cache)  # both wrote the same KV into the same slots
     assert (got.float() - expected.float()).abs().max().item() < tol
 
 
@@ -68,10 +85,11 @@ def test_float32_activations_over_a_bf16_cache(backend: str) -> None:
     """kv_cache_dtype bfloat16 under a float32 model: new k/v are rounded into the cache, and the
     decode rows, which read only the cache, match the reference reading the same bf16 values."""
     q, k, v, cache, meta = mixed_batch(torch.float32)
-    cache = cache.to(torch.bfloat16)
-    ref_cache = cache.clone()
+    ref_cache = cache.to(torch.bfloat16)
+    cache = _served(backend, ref_cache.clone())
     expected = get_backend("torch_ref", torch.device("cpu")).forward(q, k, v, ref_cache, meta, D**-0.5)
     got = get_backend(backend, torch.device("cpu")).forward(q, k, v, cache, meta, D**-0.5)
+    cache = _plain(backend, cache)
     assert got.dtype == torch.float32 and torch.equal(cache, ref_cache)
     assert torch.equal(cache[0].view(-1, HKV, D)[meta.slot_mapping], k.to(torch.bfloat16))
     decode_rows = meta.query_start_loc_cpu[2:4]  # requests 2 and 3 decode one token each
@@ -141,7 +159,7 @@ def test_cpp_decode_kernel_over_head_layouts(num_heads: int, num_kv_heads: int, 
     tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * 5].view(num_seqs, 5).to(torch.int32)
     cache = torch.randn(2, num_blocks, block, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
     q = torch.randn(num_seqs, num_heads, head_dim, generator=gen)
-    got = kernels.paged_decode(q, cache, tables, lens, head_dim**-0.5)
+    got = kernels.paged_decode(q, _served("cpu", cache), tables, lens, head_dim**-0.5)
     expected = _gathered_reference(q, cache, tables, lens, head_dim**-0.5,
                                    bf16_products=_bf16_products(kernels, cache))
     assert got.shape == q.shape and got.dtype == q.dtype
@@ -179,7 +197,8 @@ def test_paged_attention_over_prompt_chunks_and_decode_rows(num_heads: int, num_
     for n in q_lens:
         starts.append(starts[-1] + n)
     q = torch.randn(starts[-1], num_heads, head_dim, generator=gen)
-    got = kernels.paged_attention(q, cache, tables, lens, torch.tensor(starts, dtype=torch.int32), head_dim**-0.5)
+    got = kernels.paged_attention(q, to_pair_layout(cache), tables, lens, torch.tensor(starts, dtype=torch.int32),
+                                  head_dim**-0.5)
     expected = _gathered_reference(q, cache, tables, lens, head_dim**-0.5, starts, bf16_products=True)
     exact = _gathered_reference(q, cache, tables, lens, head_dim**-0.5, starts)
     assert got.shape == q.shape and got.dtype == q.dtype
@@ -203,3 +222,51 @@ def test_paged_attention_rejects_bad_query_starts() -> None:
         kernels.paged_attention(q, cache, meta.block_tables[:, :2], meta.seq_lens, meta.query_start_loc, D**-0.5)
     with pytest.raises(RuntimeError, match="float32 or bfloat16|AVX-512"):
         kernels.paged_attention(q, cache.half(), meta.block_tables, meta.seq_lens, meta.query_start_loc, D**-0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_fills_the_pair_layout(dtype: torch.dtype) -> None:
+    """The C++ write_kv puts each k/v row where to_pair_layout puts the plain layout's row, rounded
+    like torch's conversion; out-of-range slots are refused."""
+    kernels = SDPABackend(torch.device("cpu"))._kernels
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.zeros(2, 8, 16, 3, 64, dtype=torch.bfloat16)
+    if not kernels.avx512_supports(cache):
+        pytest.skip("the pair layout belongs to the AVX-512 BF16 kernel")
+    slots = torch.randperm(8 * 16, generator=gen)[:40]
+    k = torch.randn(40, 3, 64, generator=gen).to(dtype)
+    v = torch.randn(40, 3, 64, generator=gen).to(dtype)
+    kernels.write_kv(k, v, cache, slots)
+    plain = torch.zeros(2, 8, 16, 3, 64, dtype=torch.bfloat16)
+    plain[0].view(-1, 3, 64)[slots] = k.to(torch.bfloat16)
+    plain[1].view(-1, 3, 64)[slots] = v.to(torch.bfloat16)
+    assert torch.equal(from_pair_layout(cache), plain) and torch.equal(cache, to_pair_layout(plain))
+    for bad in (-1, 8 * 16):
+        with pytest.raises(RuntimeError, match="out of range"):
+            kernels.write_kv(k[:1], v[:1], cache, torch.tensor([bad]))
+
+
+def test_paged_attention_never_reads_unwritten_slots() -> None:
+    """Slots past each context hold NaN (as a reused block may hold anything): the outputs are those
+    of the same context with zeros there, for even and odd context lengths (an odd one ends in half
+    of a value pair)."""
+    kernels = SDPABackend(torch.device("cpu"))._kernels
+    gen = torch.Generator().manual_seed(5)
+    num_heads, num_kv_heads, head_dim, max_blocks = 6, 2, 64, 4
+    lens = torch.tensor([1, 16, 17, 30, 33, 50], dtype=torch.int32)
+    tables = torch.randperm(32, generator=gen)[: 6 * max_blocks].view(6, -1).to(torch.int32)
+    clean = torch.zeros(2, 32, 16, num_kv_heads, head_dim, dtype=torch.bfloat16)
+    for i, n in enumerate(lens.tolist()):
+        slots = tables[i, torch.arange(n) // 16].long() * 16 + torch.arange(n) % 16
+        clean[:, :].flatten(1, 2)[:, slots] = torch.randn(2, n, num_kv_heads, head_dim, generator=gen).bfloat16()
+    if not kernels.avx512_supports(clean):
+        pytest.skip("paged_attention needs an AVX-512 BF16 build")
+    dirty = clean.clone()
+    written = torch.zeros(32 * 16, dtype=torch.bool)
+    for i, n in enumerate(lens.tolist()):
+        written[tables[i, torch.arange(n) // 16].long() * 16 + torch.arange(n) % 16] = True
+    dirty.flatten(1, 2)[:, ~written] = float("nan")
+    q = torch.randn(6, num_heads, head_dim, generator=gen)
+    got = kernels.paged_decode(q, to_pair_layout(dirty), tables, lens, head_dim**-0.5)
+    expected = kernels.paged_decode(q, to_pair_layout(clean), tables, lens, head_dim**-0.5)
+    assert torch.isfinite(got).all() and torch.equal(got, expected)

@@ -2,7 +2,8 @@
 
 Over a bf16 cache on a CPU with AVX-512 BF16, every row of a step (decode rows and prompt chunks, a
 cached prefix included) goes to one call of our C++ paged-attention kernel, which reads the KV blocks
-in place. Otherwise decode rows go to the C++ paged-decode kernel (float32 or bf16 cache), or where it
+in place; such a cache holds its blocks in the kernel's pair layout (attention/pair_layout.py), which
+our C++ write_kv writes. Otherwise decode rows go to the C++ paged-decode kernel (float32 or bf16 cache), or where it
 cannot be built (or off CPU) to one SDPA call over gathered, padded contexts; prompt chunks run one
 request at a time through SDPA, with the plain causal kernel when there is no cached prefix."""
 
@@ -35,11 +36,12 @@ class SDPABackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta.slot_mapping)
         if self._kernels is not None and self._kernels.avx512_supports(kv_cache):
+            self._kernels.write_kv(k, v, kv_cache, meta.slot_mapping)
             return self._kernels.paged_attention(
                 q.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
             )
+        write_kv(k, v, kv_cache, meta.slot_mapping)
         if meta.is_all_decode:
             return self._decode_rows(q, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
         out = torch.empty_like(q)

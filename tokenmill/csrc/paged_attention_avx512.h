@@ -1,19 +1,17 @@
 // Paged attention over a bf16 cache with AVX-512 BF16 dot products (vdpbf16ps): decode rows and
-// prompt chunks (a cached prefix included) in one kernel, reading the cache blocks in place. The fast
-// path of paged_decode.h on CPUs that have the instructions; block size 16, head_dim 32, 64 or 128.
+// prompt chunks (a cached prefix included) in one kernel. The fast path of paged_decode.h on CPUs that
+// have the instructions; block size 16, head_dim 32, 64 or 128.
+//
+// The cache blocks hold keys and values in the order the dot products want them (the pair layout,
+// see write_rows), written so once per token, so the kernel reads its operands straight from the
+// blocks: no per-step copy or transpose of the context.
 //
 // A work item is a tile of one sequence's query tokens and its kv heads (see attend); per kv head,
-// its rows are the (token, query head) pairs of the tile's tokens and the head's GQA group. The item
-// first copies its context out of the cache blocks once, rearranged for the dot products (into
-// L1/L2-sized buffers):
-//   keys   [blocks][D/2][16]: each vector holds one (k[2i], k[2i+1]) pair of all 16 keys of a block, so
-//          16 scores of a row come out of D/2 dot products with no horizontal sums;
-//   values [tokens/2][D/16][16]: each vector holds (v[2s][d], v[2s+1][d]) for 16 columns d, so a row's
-//          probability pair (p[2s], p[2s+1]) weights two value rows in one instruction.
-// Then the scores of all rows (query times scale rounded to bf16, float32 sums), one exact softmax
-// per row over its causal context (softmax_to_bf16, the portable kernel's exp), probabilities rounded to bf16,
-// and the weighted values (float32 sums). The rounding is the only difference from the portable
-// kernel: scores and outputs agree to bf16 precision (the tests emulate the rounding).
+// its rows are the (token, query head) pairs of the tile's tokens and the head's GQA group: the scores
+// of all rows (query times scale rounded to bf16, float32 sums), one exact softmax per row over its
+// causal context (softmax_to_bf16, the portable kernel's exp), probabilities rounded to bf16, and the
+// weighted values (float32 sums). The rounding is the only difference from the portable kernel:
+// scores and outputs agree to bf16 precision (the tests emulate the rounding).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -42,56 +40,54 @@ inline __mmask16 first_lanes(int64_t n) {  // lanes [0, n) of 16
   return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
 }
 
-// ------------------------------------------------------------------------------- the context copy
-// 16 rows of 16 dwords -> 16 columns: r[i][j] becomes r[j][i].
-inline void transpose16(__m512i (&r)[16]) {
-  __m512i a[16], b[16];
-  for (int k = 0; k < 8; ++k) {  // per 128-bit lane L: rows 2k, 2k+1 of columns 4L..4L+3, interleaved
-    a[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
-    a[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
-  }
-  for (int k = 0; k < 4; ++k) {  // b[4k + c], lane L: column 4L + c of rows 4k..4k+3
-    b[4 * k] = _mm512_unpacklo_epi64(a[4 * k], a[4 * k + 2]);
-    b[4 * k + 1] = _mm512_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
-    b[4 * k + 2] = _mm512_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
-    b[4 * k + 3] = _mm512_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // column 4L + c: lane L of b[c], b[4 + c], b[8 + c], b[12 + c]
-    const __m512i x0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xEE);
-    const __m512i y0 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44);
-    const __m512i y1 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
-    r[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
-  }
+// ------------------------------------------------------------------------------- the cache layout
+// Each block holds, per half (K, V) and kv head, 16 tokens x D values (bf16) arranged for the dot
+// products, so the kernel reads its operands straight from the blocks:
+//   keys   [D/2][16] pairs: (k[t][2i], k[t][2i+1]) at [i][t]; one vector holds pair i of all 16 keys,
+//          so 16 scores of a row come out of D/2 dot products with no horizontal sums;
+//   values [8][D] pairs: (v[2s][d], v[2s+1][d]) at [s][d]; a row's probability pair (p[2s], p[2s+1])
+//          weights two value rows in one instruction.
+// A block half is [Hkv][16 * D], the size of the plain [16][Hkv][D]: the cache tensor keeps its shape
+// [2, num_blocks, 16, Hkv, D] and only the order within a block differs (attention/pair_layout.py
+// converts, in PyTorch). In bf16 units within a head's chunk: k[t][d] at (d / 2) * 32 + 2 * t + d % 2,
+// v[t][d] at (t / 2) * 2 * D + 2 * d + t % 2.
+
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const at::BFloat16* x) {  // bf16 -> float32: the bits in the high half
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
 }
 
-// One block's n <= 16 key rows (bf16, `stride` apart) -> kt [D/2][16] dword pairs; rows past n: zeros.
-template <int C>  // C = head_dim / 16
-inline void copy_keys(const at::BFloat16* k, int64_t stride, int64_t n, uint32_t* kt) {
-  for (int h = 0; h < C / 2; ++h) {  // 16 pairs (32 columns) at a time
-    __m512i r[16];
-    for (int t = 0; t < 16; ++t)
-      r[t] = t < n ? _mm512_loadu_si512(k + t * stride + 32 * h) : _mm512_setzero_si512();
-    transpose16(r);
-    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kt + (16 * h + i) * 16, r[i]);
-  }
-}
-
-// One block's n <= 16 value rows -> vp [8][C][16] dword pairs (v[2s][d], v[2s+1][d]); rows past n: zeros.
-template <int C>
-inline void copy_values(const at::BFloat16* v, int64_t stride, int64_t n, uint32_t* vp) {
-  alignas(64) static constexpr uint16_t lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i idx_lo = _mm512_load_si512(lo), idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
-  for (int s = 0; s < 8; ++s)
-    for (int h = 0; h < C / 2; ++h) {  // 32 columns of rows 2s and 2s + 1
-      const __m512i a = 2 * s < n ? _mm512_loadu_si512(v + 2 * s * stride + 32 * h) : _mm512_setzero_si512();
-      const __m512i b = 2 * s + 1 < n ? _mm512_loadu_si512(v + (2 * s + 1) * stride + 32 * h) : _mm512_setzero_si512();
-      _mm512_storeu_si512(vp + (s * C + 2 * h) * 16, _mm512_permutex2var_epi16(a, idx_lo, b));
-      _mm512_storeu_si512(vp + (s * C + 2 * h + 1) * 16, _mm512_permutex2var_epi16(a, idx_hi, b));
+// Rows' kv heads into their cache slots, rounded to bf16 (to nearest even, as torch converts).
+// Row i: k at k + i * row_stride, v at v + i * row_stride, each [Hkv][D]; 0 <= slots[i] < num_slots.
+template <typename T>
+inline void write_rows(const T* k, const T* v, int64_t row_stride, int64_t rows, const int64_t* slots,
+                       at::BFloat16* k_cache, at::BFloat16* v_cache, int64_t num_kv_heads, int64_t head_dim) {
+  const int64_t head_chunk = kBlock * head_dim;  // one kv head's share of a block half
+  // A key's 16 pairs of 32 columns go 16 dwords apart (one per vector of the block's pair); a value's
+  // 32 columns go to every other bf16 of its pair row (the first or second of each pair).
+  const __m512i pair_rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(kBlock));
+  alignas(64) static constexpr uint16_t spread_lo[32] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7,
+                                                         8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
+  const __m512i lo = _mm512_load_si512(spread_lo), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t block = slots[i] / kBlock, t = slots[i] % kBlock;
+    const __m512i key_slots = _mm512_add_epi32(pair_rows, _mm512_set1_epi32(static_cast<int>(t)));
+    const __mmask32 half = t % 2 ? 0xAAAAAAAA : 0x55555555;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      auto* kc = reinterpret_cast<int32_t*>(k_cache + (block * num_kv_heads + h) * head_chunk);
+      at::BFloat16* vc = v_cache + (block * num_kv_heads + h) * head_chunk + (t / 2) * 2 * head_dim;
+      const T* kr = k + i * row_stride + h * head_dim;
+      const T* vr = v + i * row_stride + h * head_dim;
+      for (int64_t d = 0; d < head_dim; d += 32) {
+        const __m512i kb = (__m512i)_mm512_cvtne2ps_pbh(load16(kr + d + 16), load16(kr + d));
+        _mm512_i32scatter_epi32(kc + d / 2 * kBlock, key_slots, kb, 4);
+        const __m512i vb = (__m512i)_mm512_cvtne2ps_pbh(load16(vr + d + 16), load16(vr + d));
+        _mm512_mask_storeu_epi16(vc + 2 * d, half, _mm512_permutexvar_epi16(lo, vb));
+        _mm512_mask_storeu_epi16(vc + 2 * d + 32, half, _mm512_permutexvar_epi16(hi, vb));
+      }
     }
+  }
 }
 
 // ------------------------------------------------------------------------------- the softmax
@@ -135,24 +131,34 @@ inline void block_scores(const uint32_t* q, const uint32_t* kt, float* s, int64_
   }
 }
 
-// out[r] = scale[r] * sum_s (p[r][2s] v[2s] + p[r][2s+1] v[2s+1]) over `pairs` value pairs.
+// out[r] = scale[r] * sum_s (p[r][2s] v[2s] + p[r][2s+1] v[2s+1]) over the first `keys` values, read
+// from the blocks (8 pairs each). With `keys` odd, the last pair's second value lies past every row's
+// context, in a slot that may never have been written: it is zeroed, as its probability is.
 template <int R, int C>
-inline void weighted_values(const uint32_t* p, int64_t p_stride, const uint32_t* vp, int64_t pairs,
+inline void weighted_values(const uint32_t* p, int64_t p_stride, const uint32_t* const* v_blocks, int64_t keys,
                             const float* scale, float* out, int64_t out_stride) {
+  constexpr int64_t kPairsPerBlock = kBlock / 2;
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < pairs; ++s) {
+  const auto pair = [&](int64_t s, __m512i keep) {
+    const int64_t j = s / kPairsPerBlock;
+    if (s % kPairsPerBlock == 0 && j + kAheadBlocks < (keys + kBlock - 1) / kBlock)
+      prefetch_rows(v_blocks[j + kAheadBlocks], 1, 0, kBlock * C * 32);
+    const uint32_t* vp = v_blocks[j] + (s % kPairsPerBlock) * C * 16;
     __m512bh v[C];
     #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vp + (s * C + c) * 16);
+    for (int c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_and_si512(_mm512_loadu_si512(vp + c * 16), keep);
     #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[r * p_stride + s]));
       #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pr, v[c]);
     }
-  }
+  };
+  const int64_t whole = keys / 2;  // pairs of two context values
+  for (int64_t s = 0; s < whole; ++s) pair(s, _mm512_set1_epi32(-1));
+  if (keys % 2) pair(whole, _mm512_set1_epi32(0xFFFF));  // the low bf16 of each dword: v[2s]
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
       _mm512_storeu_ps(out + r * out_stride + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(scale[r])));
@@ -184,14 +190,16 @@ struct Scratch {
   std::vector<float> s, inv_sum;
 };
 
-// One kv head's share of an item, out of its rearranged context (kt, vp as copy_keys / copy_values
-// wrote them, `padded` keys): `rows` query rows (q_rows, written to out_rows), row r seeing the first
-// row_len[r] keys, nondecreasing in r.
+// One kv head's share of an item, read from its context's blocks (k_blocks, v_blocks: the head's
+// chunk of each block half, `padded` keys in all): `rows` query rows (q_rows, written to out_rows),
+// row r seeing the first row_len[r] keys, nondecreasing in r.
 template <int C>
 inline void attend_head(const float* const* q_rows, float* const* out_rows, const int64_t* row_len, int64_t rows,
-                        const uint32_t* kt, const uint32_t* vp, int64_t padded, float scale, Scratch& w) {
-  constexpr int64_t D = 16 * C, kPairs = D / 2;
+                        const uint32_t* const* k_blocks, const uint32_t* const* v_blocks, int64_t padded, float scale,
+                        Scratch& w) {
+  constexpr int64_t D = 16 * C, kPairs = D / 2, kChunkBytes = kBlock * D * 2;
   constexpr int kValueRows = kValueAccumulators / C;
+  const int64_t num_blocks = padded / kBlock;
   const int64_t p_stride = (padded + 31) / 32 * 16;  // pairs per probability row, whole vectors
   w.qb.resize(rows * kPairs);
   w.s.resize(rows * padded);
@@ -203,26 +211,30 @@ inline void attend_head(const float* const* q_rows, float* const* out_rows, cons
       const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(q_rows[r] + d + 16), _mm512_set1_ps(scale));
       _mm512_storeu_si512(w.qb.data() + r * kPairs + d / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
-  // Scores, kScoreRows rows at a time over the blocks the last of them sees (rows see more keys in order).
+  // Scores, kScoreRows rows at a time over the blocks the last of them sees (rows see more keys in
+  // order); blocks lie anywhere in the pool, so each is requested a few blocks ahead.
   for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
     const int n_rows = static_cast<int>(std::min<int64_t>(kScoreRows, rows - r0));
     const int64_t blocks = (row_len[r0 + n_rows - 1] + kBlock - 1) / kBlock;
     with_rows<kScoreRows>(n_rows, [&](auto nr) {
-      for (int64_t j = 0; j < blocks; ++j)
-        block_scores<nr(), C>(w.qb.data() + r0 * kPairs, kt + j * kBlock * kPairs, w.s.data() + r0 * padded + j * kBlock,
-                              padded);
+      for (int64_t j = 0; j < std::min(kAheadBlocks, blocks); ++j) prefetch_rows(k_blocks[j], 1, 0, kChunkBytes);
+      for (int64_t j = 0; j < blocks; ++j) {
+        if (j + kAheadBlocks < blocks) prefetch_rows(k_blocks[j + kAheadBlocks], 1, 0, kChunkBytes);
+        block_scores<nr(), C>(w.qb.data() + r0 * kPairs, k_blocks[j], w.s.data() + r0 * padded + j * kBlock, padded);
+      }
     });
   }
+  for (int64_t j = 0; j < std::min(kAheadBlocks, num_blocks); ++j) prefetch_rows(v_blocks[j], 1, 0, kChunkBytes);
   // Softmax over each row's context; probabilities rounded to bf16, zeros past the context.
   for (int64_t r = 0; r < rows; ++r)
     w.inv_sum[r] = softmax_to_bf16(w.s.data() + r * padded, row_len[r], w.p.data() + r * p_stride, p_stride);
-  // Weighted values, kValueRows rows at a time over the pairs the last of them sees.
+  // Weighted values, kValueRows rows at a time over the keys the last of them sees.
   for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
     const int n_rows = static_cast<int>(std::min<int64_t>(kValueRows, rows - r0));
-    const int64_t pairs = (row_len[r0 + n_rows - 1] + 1) / 2;
     with_rows<kValueRows>(n_rows, [&](auto nr) {
       alignas(64) float o[nr()][D];
-      weighted_values<nr(), C>(w.p.data() + r0 * p_stride, p_stride, vp, pairs, w.inv_sum.data() + r0, &o[0][0], D);
+      weighted_values<nr(), C>(w.p.data() + r0 * p_stride, p_stride, v_blocks, row_len[r0 + n_rows - 1],
+                               w.inv_sum.data() + r0, &o[0][0], D);
       for (int r = 0; r < nr(); ++r) std::memcpy(out_rows[r0 + r], o[r], D * sizeof(float));
     });
   }
@@ -230,20 +242,19 @@ inline void attend_head(const float* const* q_rows, float* const* out_rows, cons
 
 // q: [tokens, num_heads, D] float32, the rows of sequence i at [query_start[i], query_start[i + 1]),
 // the last ones of its context of seq_lens[i] tokens (each attends to its position and before); no
-// query_start: one row per sequence. The cache halves: [num_blocks, 16, num_kv_heads, D] bf16.
-// out: like q. A sequence with no context gets zeros.
+// query_start: one row per sequence. The cache halves: [num_blocks, Hkv, 16 * D] bf16 in the pair
+// layout (see write_rows). out: like q. A sequence with no context gets zeros.
 //
-// A work item is a tile of a sequence's query tokens and all its kv heads, so that its copy reads
-// each block's rows of every head, one contiguous run (random blocks, head by head: ~16 GB/s here;
-// contiguous runs ~25, on huge pages ~40); with too few tiles to keep the threads busy, one kv head.
+// A work item is a tile of a sequence's query tokens and all its kv heads (one table walk for all);
+// with too few tiles to keep the threads busy, one kv head.
 template <int C>
 void attend(const float* q, const int32_t* query_start, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
             const int32_t* block_tables, const int32_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
             int64_t num_kv_heads, int64_t max_blocks, float scale) {
-  constexpr int64_t D = 16 * C, kPairs = D / 2;
+  constexpr int64_t D = 16 * C, kChunk = kBlock * D;  // bf16 of one kv head in a block half
   const int64_t group = num_heads / num_kv_heads;
   const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group);
-  const int64_t token_stride = num_kv_heads * D, block_stride = kBlock * token_stride;
+  const int64_t block_stride = num_kv_heads * kChunk;
   const auto start = [&](int64_t seq) -> int64_t { return query_start ? query_start[seq] : seq; };
   struct Item {
     int64_t seq, first, tokens, kvh0, heads;  // query tokens [first, first + tokens), kv heads [kvh0, + heads)
@@ -259,14 +270,14 @@ void attend(const float* q, const int32_t* query_start, const at::BFloat16* k_ca
       for (int64_t kvh0 = 0; kvh0 < num_kv_heads; kvh0 += heads_per_item) {
         const int64_t tokens = std::min(tile_tokens, q_len - first);
         items.push_back({seq, first, tokens, kvh0, heads_per_item});
-        // copies the context up to the tile's last token, then works on it per query row; + per-item overhead
+        // reads the context up to the tile's last token for its query rows; + per-item overhead
         const int64_t context = std::max<int64_t>(0, seq_len - q_len + first + tokens);
         costs.push_back(heads_per_item * (context * (tokens * group + 8) + 64 * kBlock));
       }
   }
   const std::vector<std::vector<int64_t>> plan = balance(costs);
   at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> kt, vp;  // [heads][padded * kPairs] each: the item's context, rearranged
+    std::vector<const uint32_t*> k_blocks, v_blocks;  // [heads][num_blocks]: each head's chunk of each block
     std::vector<int64_t> row_len;
     std::vector<const float*> q_rows;
     std::vector<float*> out_rows;
@@ -285,27 +296,16 @@ void attend(const float* q, const int32_t* query_start, const at::BFloat16* k_ca
           continue;
         }
         const int64_t context = seq_len - q_len + it.first + it.tokens;  // keys the tile's last row sees
-        const int64_t num_blocks = (context + kBlock - 1) / kBlock, padded = num_blocks * kBlock;
-        const int64_t head_size = padded * kPairs;
-        kt.resize(it.heads * head_size);
-        vp.resize(it.heads * head_size);
-        // The context, out of the cache blocks, the item's rows of each block requested ahead.
+        const int64_t num_blocks = (context + kBlock - 1) / kBlock;
         const int32_t* table = block_tables + it.seq * max_blocks;
-        const auto prefetch = [&](int64_t j) {
-          if (j < num_blocks)
-            for (const at::BFloat16* half : {k_cache, v_cache})
-              prefetch_rows(half + table[j] * block_stride + it.kvh0 * D, kBlock, token_stride, it.heads * D * 2);
-        };
-        for (int64_t j = 0; j < kAheadBlocks; ++j) prefetch(j);
-        for (int64_t j = 0; j < num_blocks; ++j) {
-          prefetch(j + kAheadBlocks);
-          const int64_t n = std::min(kBlock, context - j * kBlock);
-          for (int64_t h = 0; h < it.heads; ++h) {
-            const int64_t offset = table[j] * block_stride + (it.kvh0 + h) * D;
-            copy_keys<C>(k_cache + offset, token_stride, n, kt.data() + h * head_size + j * kBlock * kPairs);
-            copy_values<C>(v_cache + offset, token_stride, n, vp.data() + h * head_size + j * kBlock * kPairs);
+        k_blocks.resize(it.heads * num_blocks);
+        v_blocks.resize(it.heads * num_blocks);
+        for (int64_t h = 0; h < it.heads; ++h)
+          for (int64_t j = 0; j < num_blocks; ++j) {
+            const int64_t offset = table[j] * block_stride + (it.kvh0 + h) * kChunk;
+            k_blocks[h * num_blocks + j] = reinterpret_cast<const uint32_t*>(k_cache + offset);
+            v_blocks[h * num_blocks + j] = reinterpret_cast<const uint32_t*>(v_cache + offset);
           }
-        }
         row_len.resize(rows);
         q_rows.resize(rows);
         out_rows.resize(rows);
@@ -315,8 +315,8 @@ void attend(const float* q, const int32_t* query_start, const at::BFloat16* k_ca
             q_rows[r] = q + row_of(it.kvh0 + h, r) * D;
             out_rows[r] = out + row_of(it.kvh0 + h, r) * D;
           }
-          attend_head<C>(q_rows.data(), out_rows.data(), row_len.data(), rows, kt.data() + h * head_size,
-                         vp.data() + h * head_size, padded, scale, scratch);
+          attend_head<C>(q_rows.data(), out_rows.data(), row_len.data(), rows, k_blocks.data() + h * num_blocks,
+                         v_blocks.data() + h * num_blocks, num_blocks * kBlock, scale, scratch);
         }
       }
     }

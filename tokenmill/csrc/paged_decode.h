@@ -334,7 +334,8 @@ inline void decode(const float* q, const T* k_cache, const T* v_cache, const int
 }
 
 // Whether paged_attention's bf16 dot-product kernel serves this cache: a bf16 cache of 16-token
-// blocks and head_dim 32, 64 or 128, on a build for AVX-512 BF16.
+// blocks and head_dim 32, 64 or 128, on a build for AVX-512 BF16. Such a cache holds its blocks in
+// the kernel's pair layout (avx512::write_rows): write it with write_kv, read it with paged_attention.
 inline bool avx512_supports(const torch::Tensor& kv_cache) {
 #ifdef TM_ATTN_AVX512
   if (kv_cache.dim() != 5) return false;
@@ -346,10 +347,40 @@ inline bool avx512_supports(const torch::Tensor& kv_cache) {
 #endif
 }
 
+// This step's k, v ([tokens, Hkv, D], float32 or bf16) into their slots of a cache that
+// avx512_supports, in its pair layout, rounded to bf16. slot_mapping: [tokens] int64.
+inline void write_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& kv_cache,
+                     const torch::Tensor& slot_mapping) {
+  TORCH_CHECK(avx512_supports(kv_cache) && kv_cache.is_contiguous(),
+              "write_kv writes the pair layout of a contiguous bf16 cache that paged_attention serves");
+  const int64_t tokens = k.size(0), num_kv_heads = kv_cache.size(3), head_dim = kv_cache.size(4);
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == num_kv_heads && k.size(2) == head_dim &&
+                  k.scalar_type() == v.scalar_type(),
+              "k, v: [tokens, Hkv, D] of the cache's Hkv and D, one dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == tokens,
+              "slot_mapping: [tokens] int64");
+  const auto slots = slot_mapping.contiguous();
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  for (int64_t i = 0; i < tokens; ++i)
+    TORCH_CHECK(slots.data_ptr<int64_t>()[i] >= 0 && slots.data_ptr<int64_t>()[i] < num_slots, "cache slot ",
+                slots.data_ptr<int64_t>()[i], " out of range");
+#ifdef TM_ATTN_AVX512
+  at::BFloat16* cache = kv_cache.data_ptr<at::BFloat16>();
+  const auto run = [&](const auto* kp, const auto* vp) {
+    avx512::write_rows(kp, vp, num_kv_heads * head_dim, tokens, slots.data_ptr<int64_t>(), cache,
+                       cache + kv_cache.numel() / 2, num_kv_heads, head_dim);
+  };
+  const auto kc = k.contiguous(), vc = v.contiguous();
+  if (k.scalar_type() == at::kFloat) run(kc.data_ptr<float>(), vc.data_ptr<float>());
+  else if (k.scalar_type() == at::kBFloat16) run(kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>());
+  else TORCH_CHECK(false, "k, v must be float32 or bfloat16, got ", k.scalar_type());
+#endif
+}
+
 // Attention for any mix of decode rows and prompt chunks, read from the cache (the step's new KV
 // already written). q: [tokens, num_heads, head_dim]; query_start: [num_seqs + 1] int32, sequence i's
 // rows [query_start[i], query_start[i + 1]) are the last of its seq_lens[i] positions (none: one row
-// per sequence). Returns like q. Only where avx512_supports(kv_cache).
+// per sequence). Returns like q. Only where avx512_supports(kv_cache): the cache in the pair layout.
 inline torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                                      const std::optional<torch::Tensor>& query_start, double scale) {
@@ -395,7 +426,7 @@ inline torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor
 }
 
 // q: [num_seqs, num_heads, head_dim] (computed in float32); kv_cache: [2, num_blocks, block_size, Hkv, D]
-// float32 or bfloat16; block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32.
+// float32 or bfloat16 (in the pair layout where avx512_supports); block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32.
 // Returns like q.
 inline torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale) {

@@ -87,12 +87,25 @@ class DecodeStack {
 
  private:
   // Copy each row's k and v heads (after rotary) into its cache slot; a bf16 cache rounds them to
-  // nearest even, as torch's conversion does in the layer-by-layer path.
+  // nearest even, as torch's conversion does in the layer-by-layer path. A cache that paged_attention
+  // serves takes its pair layout, as attn::write_kv writes it there.
   void write_kv(const at::Tensor& qkv, const at::Tensor& kv_cache, const int64_t* slots, int64_t q_size) const {
+    const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+    for (int64_t b = 0; b < qkv.size(0); ++b)
+      TORCH_CHECK(slots[b] >= 0 && slots[b] < num_slots, "cache slot ", slots[b], " out of range");
+#ifdef TM_ATTN_AVX512
+    if (attn::avx512_supports(kv_cache)) {
+      const float* k = qkv.data_ptr<float>() + q_size;
+      at::BFloat16* cache = kv_cache.data_ptr<at::BFloat16>();
+      attn::avx512::write_rows(k, k + num_kv_heads_ * head_dim_, qkv.stride(0), qkv.size(0), slots, cache,
+                               cache + kv_cache.numel() / 2, num_kv_heads_, head_dim_);
+      return;
+    }
+#endif
     if (kv_cache.scalar_type() == at::kBFloat16)
-      write_rows(qkv, kv_cache.data_ptr<at::BFloat16>(), kv_cache.size(1) * kv_cache.size(2), slots, q_size);
+      write_rows(qkv, kv_cache.data_ptr<at::BFloat16>(), num_slots, slots, q_size);
     else
-      write_rows(qkv, kv_cache.data_ptr<float>(), kv_cache.size(1) * kv_cache.size(2), slots, q_size);
+      write_rows(qkv, kv_cache.data_ptr<float>(), num_slots, slots, q_size);
   }
 
   template <typename T>
@@ -101,7 +114,6 @@ class DecodeStack {
     T* v_cache = k_cache + num_slots * kv_size;
     const float* rows = qkv.data_ptr<float>();
     for (int64_t b = 0; b < qkv.size(0); ++b) {
-      TORCH_CHECK(slots[b] >= 0 && slots[b] < num_slots, "cache slot ", slots[b], " out of range");
       const float* row = rows + b * qkv.stride(0) + q_size;
       for (int64_t i = 0; i < kv_size; ++i) {
         k_cache[slots[b] * kv_size + i] = static_cast<T>(row[i]);
