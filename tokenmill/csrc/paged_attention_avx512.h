@@ -36,6 +36,12 @@ constexpr int64_t kAheadBlocks = 2;  // blocks prefetched ahead (blocks may lie 
 // Independent sums per row so enough dot products are in flight (latency ~6 cycles).
 constexpr int unroll_for(int rows) { return rows >= 8 ? 1 : rows >= 4 ? 2 : 4; }
 
+// Requests `bytes` from p on into L2, not L1: L1 tracks few misses at a time, too few to cover the
+// latency of blocks that lie anywhere in the pool (prefetcht2: ~25% faster decode than prefetcht0 here).
+inline void fetch(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T2);
+}
+
 inline __mmask16 first_lanes(int64_t n) {  // lanes [0, n) of 16
   return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
 }
@@ -144,7 +150,7 @@ inline void weighted_values(const uint32_t* p, int64_t p_stride, const uint32_t*
   const auto pair = [&](int64_t s, __m512i keep) {
     const int64_t j = s / kPairsPerBlock;
     if (s % kPairsPerBlock == 0 && j + kAheadBlocks < (keys + kBlock - 1) / kBlock)
-      prefetch_rows(v_blocks[j + kAheadBlocks], 1, 0, kBlock * C * 32);
+      fetch(v_blocks[j + kAheadBlocks], kBlock * C * 32);
     const uint32_t* vp = v_blocks[j] + (s % kPairsPerBlock) * C * 16;
     __m512bh v[C];
     #pragma GCC unroll 8
@@ -217,14 +223,14 @@ inline void attend_head(const float* const* q_rows, float* const* out_rows, cons
     const int n_rows = static_cast<int>(std::min<int64_t>(kScoreRows, rows - r0));
     const int64_t blocks = (row_len[r0 + n_rows - 1] + kBlock - 1) / kBlock;
     with_rows<kScoreRows>(n_rows, [&](auto nr) {
-      for (int64_t j = 0; j < std::min(kAheadBlocks, blocks); ++j) prefetch_rows(k_blocks[j], 1, 0, kChunkBytes);
+      for (int64_t j = 0; j < std::min(kAheadBlocks, blocks); ++j) fetch(k_blocks[j], kChunkBytes);
       for (int64_t j = 0; j < blocks; ++j) {
-        if (j + kAheadBlocks < blocks) prefetch_rows(k_blocks[j + kAheadBlocks], 1, 0, kChunkBytes);
+        if (j + kAheadBlocks < blocks) fetch(k_blocks[j + kAheadBlocks], kChunkBytes);
         block_scores<nr(), C>(w.qb.data() + r0 * kPairs, k_blocks[j], w.s.data() + r0 * padded + j * kBlock, padded);
       }
     });
   }
-  for (int64_t j = 0; j < std::min(kAheadBlocks, num_blocks); ++j) prefetch_rows(v_blocks[j], 1, 0, kChunkBytes);
+  for (int64_t j = 0; j < std::min(kAheadBlocks, num_blocks); ++j) fetch(v_blocks[j], kChunkBytes);
   // Softmax over each row's context; probabilities rounded to bf16, zeros past the context.
   for (int64_t r = 0; r < rows; ++r)
     w.inv_sum[r] = softmax_to_bf16(w.s.data() + r * padded, row_len[r], w.p.data() + r * p_stride, p_stride);
