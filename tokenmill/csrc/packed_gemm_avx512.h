@@ -41,18 +41,25 @@ constexpr int kStreams = 2;        // weight streams per thread with one activat
 constexpr int unroll_for(int accumulators) { return accumulators >= 8 ? 1 : accumulators >= 4 ? 2 : 4; }
 
 // ------------------------------------------------------------------------------- activations
-// Rows rounded to bf16, [M, K2] with K2 = K rounded up to even (a zero pads odd K).
-inline std::vector<uint16_t> bf16_rows(const float* x, int64_t M, int64_t K, int64_t K2) {
-  std::vector<uint16_t> out(M * K2, 0);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = x + m * K;
-    uint16_t* dst = out.data() + m * K2;
-    for (int64_t k = 0; k < K; k += 16) {
-      const __mmask16 mask = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
-      const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, row + k));
-      _mm256_mask_storeu_epi16(dst + k, mask, reinterpret_cast<const __m256i&>(v));
+// Rows rounded to bf16 and interleaved by tiles of kRows rows: [ceil(M / kRows)][K2 / 2][kRows]
+// (x[k], x[k+1]) pairs, K2 = K rounded up to even (a zero pads odd K). A tile's kRows broadcasts of
+// one k pair then read 32 consecutive bytes through one pointer (rows past M are never read).
+inline std::vector<uint32_t> bf16_tiles(const float* x, int64_t M, int64_t K, int64_t K2) {
+  const int64_t pairs = K2 / 2, tiles = (M + kRows - 1) / kRows;
+  std::vector<uint32_t> out(tiles * pairs * kRows);
+  const __m256i spread = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(kRows));
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = x + m * K;
+      uint32_t* dst = out.data() + (m / kRows) * pairs * kRows + m % kRows;
+      for (int64_t k = 0; k < K2; k += 16) {  // 8 pairs; masked loads read zeros past K
+        const __mmask16 mask = K - k >= 16 ? 0xFFFF : K <= k ? 0 : static_cast<__mmask16>((1u << (K - k)) - 1);
+        const __mmask8 store = K2 - k >= 16 ? 0xFF : static_cast<__mmask8>((1u << ((K2 - k) / 2)) - 1);
+        const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, row + k));
+        _mm256_mask_i32scatter_epi32(dst + (k / 2) * kRows, store, spread, reinterpret_cast<const __m256i&>(v), 4);
+      }
     }
-  }
+  });
   return out;
 }
 
@@ -64,10 +71,11 @@ inline __m512i broadcast_pair(const void* p) {  // one 32-bit (x[k], x[k+1]) pai
 
 // ------------------------------------------------------------------------------- bf16 weights
 // NP panels x MR rows over all K2 / 2 pairs: out[p][i] holds row i's 16 channels of panel p.
-// `ahead` (elements, 0 for none): each weight line read is also requested that far ahead, into L2.
+// x: the rows' tile of bf16_tiles. `ahead` (elements, 0 for none): each weight line read is also
+// requested that far ahead, into L2.
 template <int NP, int MR>
-inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* const (&panels)[NP], int64_t K2,
-                      int64_t ahead, __m512 (&out)[NP][MR]) {
+inline void tile_bf16(const uint32_t* x, const uint16_t* const (&panels)[NP], int64_t K2, int64_t ahead,
+                      __m512 (&out)[NP][MR]) {
   constexpr int U = unroll_for(NP * MR);
   __m512 acc[U][NP][MR];
   #pragma GCC unroll 4
@@ -84,7 +92,7 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* const (&pa
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(panels[p] + 2 * t * kPanel);
       #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
-        const __m512bh xv = (__m512bh)broadcast_pair(x + i * ldx + 2 * t);
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[t * kRows + i]));
         acc[u][p][i] = _mm512_dpbf16_ps(acc[u][p][i], xv, wv);
       }
     }
@@ -191,7 +199,7 @@ struct Problem {
   const W* weights;       // packed panels
   int64_t panel_stride;   // elements per panel (KP times 16)
   int64_t KP;             // x's features padded as the panels' k (bf16: even; int8: whole groups)
-  const void* x;          // bf16 rows (uint16_t) or int8 rows, [M, KP]
+  const void* x;          // bf16 row tiles (uint32_t pairs, see bf16_tiles) or int8 rows, [M, KP]
   const float* group_scales;     // int8: [M, KP / kGroup]
   const int32_t* group_offsets;  // int8: [M, KP / kGroup]
   const float* scale;
@@ -211,7 +219,7 @@ inline void run_tile(const Problem<W>& pr, int64_t m, const int64_t (&panel)[NP]
   const W* panels[NP];
   for (int p = 0; p < NP; ++p) panels[p] = pr.weights + panel[p] * pr.panel_stride;
   if constexpr (std::is_same_v<W, uint16_t>) {
-    tile_bf16<NP, MR>(static_cast<const uint16_t*>(pr.x) + m * pr.KP, pr.KP, panels, pr.KP, ahead, out);
+    tile_bf16<NP, MR>(static_cast<const uint32_t*>(pr.x) + m * pr.KP / 2, panels, pr.KP, ahead, out);
   } else {
     const int64_t G = pr.KP / kGroup;
     tile_q8<NP, MR>(static_cast<const int8_t*>(pr.x) + m * pr.KP, pr.KP, pr.group_scales + m * G,
@@ -278,13 +286,13 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
                   const at::Tensor& bias, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1), G = KP / kGroup;
   at::Tensor y = at::empty({M, N}, x.options());
-  std::vector<uint16_t> xb;
+  std::vector<uint32_t> xb;
   Q8Rows xq;
   const float* xp = x.data_ptr<float>();
   Problem<W> pr{wp, KP * kPanel, KP, nullptr, nullptr, nullptr,
                 scale.data_ptr<float>(), bias.data_ptr<float>(), y.data_ptr<float>(), N};
   if constexpr (std::is_same_v<W, uint16_t>) {
-    xb = bf16_rows(xp, M, K, KP);
+    xb = bf16_tiles(xp, M, K, KP);
     pr.x = xb.data();
   } else {
     xq = quantize_q8(xp, M, K, KP);
@@ -292,22 +300,22 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
     pr.group_scales = xq.scales.data();
     pr.group_offsets = xq.offsets.data();
   }
-  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-    Problem<W> block = pr;
-    const int64_t rows = std::min(kRowBlock, M - m0);
-    if constexpr (std::is_same_v<W, uint16_t>) {
-      block.x = xb.data() + m0 * KP;
-    } else {
-      block.x = xq.values.data() + m0 * KP;
-      block.group_scales = xq.scales.data() + m0 * G;
-      block.group_offsets = xq.offsets.data() + m0 * G;
+  // One parallel region: each thread owns whole panel pairs (a lone panel only at the very end) and
+  // takes them past every block of kRowBlock rows in turn.
+  at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t b, int64_t e) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+      Problem<W> block = pr;
+      if constexpr (std::is_same_v<W, uint16_t>) {
+        block.x = xb.data() + m0 * KP / 2;
+      } else {
+        block.x = xq.values.data() + m0 * KP;
+        block.group_scales = xq.scales.data() + m0 * G;
+        block.group_offsets = xq.offsets.data() + m0 * G;
+      }
+      block.y = pr.y + m0 * N;
+      run_panels(block, std::min(kRowBlock, M - m0), 2 * b, std::min(P, 2 * e));
     }
-    block.y = pr.y + m0 * N;
-    // Whole panel pairs per thread (a lone panel only at the very end).
-    at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t b, int64_t e) {
-      run_panels(block, rows, 2 * b, std::min(P, 2 * e));
-    });
-  }
+  });
   return y;
 }
 
