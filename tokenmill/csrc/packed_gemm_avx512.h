@@ -70,11 +70,18 @@ inline __m512i broadcast_pair(const void* p) {  // one 32-bit (x[k], x[k+1]) pai
 }
 
 // ------------------------------------------------------------------------------- bf16 weights
+// The weights a tile requests ahead, into L2, while it computes: lines of the panels `ahead` elements
+// on (the thread's next panel pair; 0: none). The row tiles of a pair share the work: tile `slice`
+// of `slices` requests every slices-th line from line `slice` on, so the requests spread evenly
+// over the whole pair's compute (in bursts they overflow the misses a core can track).
+struct Fetch {
+  int64_t ahead = 0, slice = 0, slices = 1;
+};
+
 // NP panels x MR rows over all K2 / 2 pairs: out[p][i] holds row i's 16 channels of panel p.
-// x: the rows' tile of bf16_tiles. `ahead` (elements, 0 for none): each weight line read is also
-// requested that far ahead, into L2.
+// x: the rows' tile of bf16_tiles.
 template <int NP, int MR>
-inline void tile_bf16(const uint32_t* x, const uint16_t* const (&panels)[NP], int64_t K2, int64_t ahead,
+inline void tile_bf16(const uint32_t* x, const uint16_t* const (&panels)[NP], int64_t K2, Fetch fetch,
                       __m512 (&out)[NP][MR]) {
   constexpr int U = unroll_for(NP * MR);
   __m512 acc[U][NP][MR];
@@ -84,11 +91,17 @@ inline void tile_bf16(const uint32_t* x, const uint16_t* const (&panels)[NP], in
     for (int p = 0; p < NP; ++p)
       #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) acc[u][p][i] = _mm512_setzero_ps();
-  const int64_t pairs = K2 / 2;
+  const int64_t pairs = K2 / 2;  // one 64-byte weight line per panel each
+  int64_t next = fetch.ahead ? fetch.slice : pairs;  // the next line to request
   const auto step = [&](int u, int64_t t) __attribute__((always_inline)) {
+    if (t == next) {
+      #pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p)
+        _mm_prefetch(reinterpret_cast<const char*>(panels[p] + fetch.ahead + 2 * t * kPanel), _MM_HINT_T1);
+      next += fetch.slices;
+    }
     #pragma GCC unroll 4
     for (int p = 0; p < NP; ++p) {
-      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(panels[p] + 2 * t * kPanel + ahead), _MM_HINT_T1);
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(panels[p] + 2 * t * kPanel);
       #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
@@ -152,7 +165,8 @@ inline Q8Rows quantize_q8(const float* x, int64_t M, int64_t K, int64_t K4) {
 // take 8 quads of dot products, and are scaled into the float32 totals by the rows' group scales.
 template <int NP, int MR>
 inline void tile_q8(const int8_t* x, int64_t ldx, const float* scales, const int32_t* offsets, int64_t ldg,
-                    const int8_t* const (&panels)[NP], int64_t groups, int64_t ahead, __m512 (&out)[NP][MR]) {
+                    const int8_t* const (&panels)[NP], int64_t groups, Fetch fetch, __m512 (&out)[NP][MR]) {
+  int64_t next = fetch.ahead ? fetch.slice : groups * kGroup / 4;  // the next line (k quad) to request
   #pragma GCC unroll 4
   for (int p = 0; p < NP; ++p)
     #pragma GCC unroll 8
@@ -167,10 +181,15 @@ inline void tile_q8(const int8_t* x, int64_t ldx, const float* scales, const int
     }
     #pragma GCC unroll 8
     for (int64_t t = g * kGroup / 4; t < (g + 1) * kGroup / 4; ++t) {
+      if (t == next) {
+        #pragma GCC unroll 4
+        for (int p = 0; p < NP; ++p)
+          _mm_prefetch(reinterpret_cast<const char*>(panels[p] + fetch.ahead + t * 4 * kPanel), _MM_HINT_T1);
+        next += fetch.slices;
+      }
       #pragma GCC unroll 4
       for (int p = 0; p < NP; ++p) {
         const int8_t* wp = panels[p] + t * 4 * kPanel;
-        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(wp + ahead), _MM_HINT_T1);
         const __m512i w = _mm512_loadu_si512(wp);
         #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) acc[p][i] = _mm512_dpbusd_epi32(acc[p][i], w, broadcast_pair(x + i * ldx + 4 * t));
@@ -211,19 +230,19 @@ struct Problem {
 template <typename W>
 constexpr int tile_rows() { return std::is_same_v<W, uint16_t> ? kRows : kQuantRows; }
 
-// The first row tile of a panel pair also pulls the thread's next pair toward the cache
-// (`ahead`), so its weights arrive from memory while this pair computes.
+// The row tiles of a panel pair also pull the thread's next pair toward the cache (`fetch`), so its
+// weights arrive from memory while this pair computes.
 template <int NP, int MR, typename W>
-inline void run_tile(const Problem<W>& pr, int64_t m, const int64_t (&panel)[NP], int64_t ahead = 0) {
+inline void run_tile(const Problem<W>& pr, int64_t m, const int64_t (&panel)[NP], Fetch fetch = {}) {
   __m512 out[NP][MR];
   const W* panels[NP];
   for (int p = 0; p < NP; ++p) panels[p] = pr.weights + panel[p] * pr.panel_stride;
   if constexpr (std::is_same_v<W, uint16_t>) {
-    tile_bf16<NP, MR>(static_cast<const uint32_t*>(pr.x) + m * pr.KP / 2, panels, pr.KP, ahead, out);
+    tile_bf16<NP, MR>(static_cast<const uint32_t*>(pr.x) + m * pr.KP / 2, panels, pr.KP, fetch, out);
   } else {
     const int64_t G = pr.KP / kGroup;
     tile_q8<NP, MR>(static_cast<const int8_t*>(pr.x) + m * pr.KP, pr.KP, pr.group_scales + m * G,
-                    pr.group_offsets + m * G, G, panels, G, ahead, out);
+                    pr.group_offsets + m * G, G, panels, G, fetch, out);
   }
   for (int p = 0; p < NP; ++p) {
     const int64_t n0 = panel[p] * kPanel, cols = std::min(kPanel, pr.N - n0);
@@ -234,11 +253,11 @@ inline void run_tile(const Problem<W>& pr, int64_t m, const int64_t (&panel)[NP]
 
 // run_tile for mr <= MR rows (the row count sizes the register arrays).
 template <int NP, int MR = 0, typename W>
-inline void run_rows(const Problem<W>& pr, int64_t m, int64_t mr, const int64_t (&panel)[NP], int64_t ahead) {
+inline void run_rows(const Problem<W>& pr, int64_t m, int64_t mr, const int64_t (&panel)[NP], Fetch fetch) {
   constexpr int kMax = MR ? MR : tile_rows<W>();
   if constexpr (kMax > 1)
-    if (mr < kMax) return run_rows<NP, kMax - 1>(pr, m, mr, panel, ahead);
-  run_tile<NP, kMax>(pr, m, panel, ahead);
+    if (mr < kMax) return run_rows<NP, kMax - 1>(pr, m, mr, panel, fetch);
+  run_tile<NP, kMax>(pr, m, panel, fetch);
 }
 
 // Rows [0, M) against panels [begin, end), two panels per tile. With one row a tile takes one panel
@@ -264,16 +283,17 @@ inline void run_panels(const Problem<W>& pr, int64_t M, int64_t begin, int64_t e
     }
     return;
   }
+  const int64_t tiles = (M + tile_rows<W>() - 1) / tile_rows<W>();
   for (int64_t p = begin; p < end; p += 2) {
     for (int64_t m = 0; m < M; m += tile_rows<W>()) {
       const int64_t mr = std::min<int64_t>(tile_rows<W>(), M - m);
-      const int64_t ahead = m == 0 && p + 3 < end ? 2 * pr.panel_stride : 0;
       if (p + 1 < end) {
         const int64_t panel[2] = {p, p + 1};
-        run_rows<2>(pr, m, mr, panel, ahead);
+        const Fetch fetch{p + 3 < end ? 2 * pr.panel_stride : 0, m / tile_rows<W>(), tiles};
+        run_rows<2>(pr, m, mr, panel, fetch);
       } else {
         const int64_t panel[1] = {p};
-        run_rows<1>(pr, m, mr, panel, 0);
+        run_rows<1>(pr, m, mr, panel, Fetch{});
       }
     }
   }
