@@ -241,7 +241,7 @@ inline bool start_item(const float* q_item, float scale, int64_t num_heads, int6
 }  // namespace tokenmill::attn
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#include "paged_attention_avx512.h"  // uses softmax_row, prefetch_rows and balance above
+#include "paged_attention_avx512.h"  // uses balance above
 #define TM_ATTN_AVX512 1
 #endif
 
