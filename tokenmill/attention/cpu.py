@@ -3,9 +3,10 @@
 Over a bf16 cache on a CPU with AVX-512 BF16, every row of a step (decode rows and prompt chunks, a
 cached prefix included) goes to one call of our C++ paged-attention kernel, which reads the KV blocks
 in place; such a cache holds its blocks in the kernel's pair layout (attention/pair_layout.py), which
-our C++ write_kv writes. Otherwise decode rows go to the C++ paged-decode kernel (float32 or bf16 cache), or where it
-cannot be built (or off CPU) to one SDPA call over gathered, padded contexts; prompt chunks run one
-request at a time through SDPA, with the plain causal kernel when there is no cached prefix."""
+our C++ write_kv writes. Otherwise decode rows go to the C++ paged-decode kernel (float32 or bf16
+cache), or where it cannot be built (or off CPU) to one SDPA call over gathered, padded contexts;
+prompt chunks run one request at a time through SDPA, with the plain causal kernel when there is no
+cached prefix."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ inline __m512i broadcast_pair(const void* p) {  // one 32-bit (x[k], x[k+1]) pai
   return _mm512_set1_epi32(pair);
 }
 
-// ------------------------------------------------------------------------------- bf16 weights
+// ------------------------------------------------------------------------------- weight requests
 // The weights a tile requests ahead, into L2, while it computes: lines of the panels `ahead` elements
 // on (the thread's next panel pair; 0: none). The row tiles of a pair share the work: tile `slice`
 // of `slices` requests every slices-th line from line `slice` on, so the requests spread evenly
@@ -78,6 +78,7 @@ struct Fetch {
   int64_t ahead = 0, slice = 0, slices = 1;
 };
 
+// ------------------------------------------------------------------------------- bf16 weights
 // NP panels x MR rows over all K2 / 2 pairs: out[p][i] holds row i's 16 channels of panel p.
 // x: the rows' tile of bf16_tiles.
 template <int NP, int MR>

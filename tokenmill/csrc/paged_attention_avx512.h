@@ -33,6 +33,10 @@ constexpr int kScoreRows = 12;       // rows whose scores are summed together, i
 constexpr int kValueAccumulators = 24;  // value pass: rows x (head_dim / 16) vectors in registers
 constexpr int64_t kAheadBlocks = 2;  // blocks prefetched ahead (blocks may lie anywhere in the pool)
 
+// Bytes of one kv head's share of a block half: 16 tokens x head_dim (16 C) bf16.
+template <int C>
+constexpr int64_t chunk_bytes() { return kBlock * 16 * C * 2; }
+
 // Independent sums per row so enough dot products are in flight (latency ~6 cycles).
 constexpr int unroll_for(int rows) { return rows >= 8 ? 1 : rows >= 4 ? 2 : 4; }
 
@@ -150,7 +154,7 @@ inline void weighted_values(const uint32_t* p, int64_t p_stride, const uint32_t*
   const auto pair = [&](int64_t s, __m512i keep) {
     const int64_t j = s / kPairsPerBlock;
     if (s % kPairsPerBlock == 0 && j + kAheadBlocks < (keys + kBlock - 1) / kBlock)
-      fetch(v_blocks[j + kAheadBlocks], kBlock * C * 32);
+      fetch(v_blocks[j + kAheadBlocks], chunk_bytes<C>());
     const uint32_t* vp = v_blocks[j] + (s % kPairsPerBlock) * C * 16;
     __m512bh v[C];
     #pragma GCC unroll 8
@@ -203,7 +207,7 @@ template <int C>
 inline void attend_head(const float* const* q_rows, float* const* out_rows, const int64_t* row_len, int64_t rows,
                         const uint32_t* const* k_blocks, const uint32_t* const* v_blocks, int64_t padded, float scale,
                         Scratch& w) {
-  constexpr int64_t D = 16 * C, kPairs = D / 2, kChunkBytes = kBlock * D * 2;
+  constexpr int64_t D = 16 * C, kPairs = D / 2, kChunkBytes = chunk_bytes<C>();
   constexpr int kValueRows = kValueAccumulators / C;
   const int64_t num_blocks = padded / kBlock;
   const int64_t p_stride = (padded + 31) / 32 * 16;  // pairs per probability row, whole vectors

@@ -347,6 +347,12 @@ inline bool avx512_supports(const torch::Tensor& kv_cache) {
 #endif
 }
 
+// Refuses a slot outside the cache's num_slots before anything is written.
+inline void check_slots(const int64_t* slots, int64_t n, int64_t num_slots) {
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "cache slot ", slots[i], " out of range");
+}
+
 // This step's k, v ([tokens, Hkv, D], float32 or bf16) into their slots of a cache that
 // avx512_supports, in its pair layout, rounded to bf16. slot_mapping: [tokens] int64.
 inline void write_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& kv_cache,
@@ -360,10 +366,7 @@ inline void write_kv(const torch::Tensor& k, const torch::Tensor& v, const torch
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == tokens,
               "slot_mapping: [tokens] int64");
   const auto slots = slot_mapping.contiguous();
-  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
-  for (int64_t i = 0; i < tokens; ++i)
-    TORCH_CHECK(slots.data_ptr<int64_t>()[i] >= 0 && slots.data_ptr<int64_t>()[i] < num_slots, "cache slot ",
-                slots.data_ptr<int64_t>()[i], " out of range");
+  check_slots(slots.data_ptr<int64_t>(), tokens, kv_cache.size(1) * kv_cache.size(2));
 #ifdef TM_ATTN_AVX512
   at::BFloat16* cache = kv_cache.data_ptr<at::BFloat16>();
   const auto run = [&](const auto* kp, const auto* vp) {
@@ -426,8 +429,8 @@ inline torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor
 }
 
 // q: [num_seqs, num_heads, head_dim] (computed in float32); kv_cache: [2, num_blocks, block_size, Hkv, D]
-// float32 or bfloat16 (in the pair layout where avx512_supports); block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32.
-// Returns like q.
+// float32 or bfloat16 (in the pair layout where avx512_supports); block_tables: [num_seqs, max_blocks]
+// int32; seq_lens: [num_seqs] int32. Returns like q.
 inline torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.is_contiguous(),

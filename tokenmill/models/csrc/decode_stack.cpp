@@ -91,8 +91,7 @@ class DecodeStack {
   // serves takes its pair layout, as attn::write_kv writes it there.
   void write_kv(const at::Tensor& qkv, const at::Tensor& kv_cache, const int64_t* slots, int64_t q_size) const {
     const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
-    for (int64_t b = 0; b < qkv.size(0); ++b)
-      TORCH_CHECK(slots[b] >= 0 && slots[b] < num_slots, "cache slot ", slots[b], " out of range");
+    attn::check_slots(slots, qkv.size(0), num_slots);
 #ifdef TM_ATTN_AVX512
     if (attn::avx512_supports(kv_cache)) {
       const float* k = qkv.data_ptr<float>() + q_size;
