@@ -23,8 +23,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -41,22 +43,52 @@ constexpr int kStreams = 2;        // weight streams per thread with one activat
 constexpr int unroll_for(int accumulators) { return accumulators >= 8 ? 1 : accumulators >= 4 ? 2 : 4; }
 
 // ------------------------------------------------------------------------------- activations
+// A buffer the conversion overwrites: no zeroing pass (a prefill's activations are megabytes).
+template <typename T>
+using Buffer = std::unique_ptr<T[]>;
+
+template <typename T>
+Buffer<T> buffer(int64_t n) { return Buffer<T>(new T[n]); }
+
 // Rows rounded to bf16 and interleaved by tiles of kRows rows: [ceil(M / kRows)][K2 / 2][kRows]
 // (x[k], x[k+1]) pairs, K2 = K rounded up to even (a zero pads odd K). A tile's kRows broadcasts of
-// one k pair then read 32 consecutive bytes through one pointer (rows past M are never read).
-inline std::vector<uint32_t> bf16_tiles(const float* x, int64_t M, int64_t K, int64_t K2) {
+// one k pair then read 32 consecutive bytes through one pointer. Per 8 pairs of a tile, the 8 rows'
+// converted pairs are transposed in registers (8 x 8 32-bit values); rows past M are zeros.
+static_assert(kRows == 8, "bf16_tiles transposes 8 x 8 blocks");
+inline Buffer<uint32_t> bf16_tiles(const float* x, int64_t M, int64_t K, int64_t K2) {
   const int64_t pairs = K2 / 2, tiles = (M + kRows - 1) / kRows;
-  std::vector<uint32_t> out(tiles * pairs * kRows);
-  const __m256i spread = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(kRows));
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const float* row = x + m * K;
-      uint32_t* dst = out.data() + (m / kRows) * pairs * kRows + m % kRows;
+  Buffer<uint32_t> out = buffer<uint32_t>(tiles * pairs * kRows);
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t rows = std::min<int64_t>(kRows, M - tile * kRows);
+      uint32_t* dst = out.get() + tile * pairs * kRows;
       for (int64_t k = 0; k < K2; k += 16) {  // 8 pairs; masked loads read zeros past K
         const __mmask16 mask = K - k >= 16 ? 0xFFFF : K <= k ? 0 : static_cast<__mmask16>((1u << (K - k)) - 1);
-        const __mmask8 store = K2 - k >= 16 ? 0xFF : static_cast<__mmask8>((1u << ((K2 - k) / 2)) - 1);
-        const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, row + k));
-        _mm256_mask_i32scatter_epi32(dst + (k / 2) * kRows, store, spread, reinterpret_cast<const __m256i&>(v), 4);
+        __m256i v[kRows];  // v[i]: row i's 8 pairs
+        for (int i = 0; i < kRows; ++i) {
+          const __m512 f = i < rows ? _mm512_maskz_loadu_ps(mask, x + (tile * kRows + i) * K + k) : _mm512_setzero_ps();
+          v[i] = (__m256i)_mm512_cvtneps_pbh(f);
+        }
+        __m256i t[kRows], u[kRows];
+        for (int i = 0; i < kRows; i += 2) {  // t[i]: rows i, i+1 interleaved (pairs 0 1 4 5), t[i+1]: (2 3 6 7)
+          t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+          t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+        }
+        for (int h = 0; h < kRows; h += 4) {  // u[h + j]: 4 rows of pair j | pair j + 4
+          u[h + 0] = _mm256_unpacklo_epi64(t[h], t[h + 2]);
+          u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);
+          u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]);
+          u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]);
+        }
+        const int64_t count = std::min<int64_t>(8, (K2 - k) / 2);  // pairs of this block
+        for (int j = 0; j < 4; ++j) {
+          if (j < count)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (k / 2 + j) * kRows),
+                                _mm256_permute2x128_si256(u[j], u[4 + j], 0x20));
+          if (j + 4 < count)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (k / 2 + j + 4) * kRows),
+                                _mm256_permute2x128_si256(u[j], u[4 + j], 0x31));
+        }
       }
     }
   });
@@ -131,15 +163,15 @@ inline void tile_bf16(const uint32_t* x, const uint16_t* const (&panels)[NP], in
 // Activation rows as int8 groups: values [M, K4] (zero padded), per group a scale [M, G] and the
 // offset correction -128 * sum(values) [M, G], G = K4 / kGroup.
 struct Q8Rows {
-  std::vector<int8_t> values;
-  std::vector<float> scales;
-  std::vector<int32_t> offsets;
+  Buffer<int8_t> values;
+  Buffer<float> scales;
+  Buffer<int32_t> offsets;
 };
 
 inline Q8Rows quantize_q8(const float* x, int64_t M, int64_t K, int64_t K4) {
   const int64_t G = K4 / kGroup;
-  Q8Rows q{std::vector<int8_t>(M * K4, 0), std::vector<float>(M * G, 0.0f), std::vector<int32_t>(M * G, 0)};
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  Q8Rows q{buffer<int8_t>(M * K4), buffer<float>(M * G), buffer<int32_t>(M * G)};
+  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t g = 0; g < G; ++g) {
         const int64_t k = g * kGroup;
@@ -149,12 +181,17 @@ inline Q8Rows quantize_q8(const float* x, int64_t M, int64_t K, int64_t K4) {
         const __m512 a = _mm512_maskz_loadu_ps(mask(k), x + m * K + k);
         const __m512 b = _mm512_maskz_loadu_ps(mask(k + 16), x + m * K + k + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-        if (!(amax > 0.0f)) continue;  // an all-zero group stays zero
+        if (!(amax > 0.0f)) {  // an all-zero group
+          std::memset(q.values.get() + m * K4 + k, 0, kGroup);
+          q.scales[m * G + g] = 0.0f;
+          q.offsets[m * G + g] = 0;
+          continue;
+        }
         const __m512 inv = _mm512_set1_ps(127.0f / amax);
         const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));  // to nearest even
         const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.values.data() + m * K4 + k), _mm512_cvtsepi32_epi8(qa));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.values.data() + m * K4 + k + 16), _mm512_cvtsepi32_epi8(qb));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.values.get() + m * K4 + k), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.values.get() + m * K4 + k + 16), _mm512_cvtsepi32_epi8(qb));
         q.scales[m * G + g] = amax / 127.0f;
         q.offsets[m * G + g] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
       }
@@ -163,16 +200,26 @@ inline Q8Rows quantize_q8(const float* x, int64_t M, int64_t K, int64_t K4) {
 }
 
 // NP panels x MR rows over all groups. Per group: int32 sums start at the rows' offset corrections,
-// take 8 quads of dot products, and are scaled into the float32 totals by the rows' group scales.
+// take the group's 8 quads of dot products (unrolled: the sums stay in registers), and are scaled into
+// the float32 totals by the rows' group scales. The weight requests follow the lines (k quads) across
+// groups: a group's line j is requested when it is this tile's turn (`fetch`).
 template <int NP, int MR>
 inline void tile_q8(const int8_t* x, int64_t ldx, const float* scales, const int32_t* offsets, int64_t ldg,
                     const int8_t* const (&panels)[NP], int64_t groups, Fetch fetch, __m512 (&out)[NP][MR]) {
-  int64_t next = fetch.ahead ? fetch.slice : groups * kGroup / 4;  // the next line (k quad) to request
+  constexpr int kQuads = kGroup / 4;  // lines per panel per group
   #pragma GCC unroll 4
   for (int p = 0; p < NP; ++p)
     #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) out[p][i] = _mm512_setzero_ps();
+  int64_t next = fetch.ahead ? fetch.slice : groups * kQuads;  // the next line to request
   for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* w[NP];
+    #pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) w[p] = panels[p] + g * kGroup * kPanel;
+    const int8_t* xg = x + g * kGroup;
+    // This group's lines to request, as bits j of a mask (the lines are numbered across groups).
+    unsigned requests = 0;
+    for (; next < (g + 1) * kQuads; next += fetch.slices) requests |= 1u << (next - g * kQuads);
     __m512i acc[NP][MR];
     #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
@@ -181,19 +228,17 @@ inline void tile_q8(const int8_t* x, int64_t ldx, const float* scales, const int
       for (int p = 0; p < NP; ++p) acc[p][i] = start;
     }
     #pragma GCC unroll 8
-    for (int64_t t = g * kGroup / 4; t < (g + 1) * kGroup / 4; ++t) {
-      if (t == next) {
+    for (int j = 0; j < kQuads; ++j) {
+      if (requests & (1u << j)) {
         #pragma GCC unroll 4
         for (int p = 0; p < NP; ++p)
-          _mm_prefetch(reinterpret_cast<const char*>(panels[p] + fetch.ahead + t * 4 * kPanel), _MM_HINT_T1);
-        next += fetch.slices;
+          _mm_prefetch(reinterpret_cast<const char*>(w[p] + fetch.ahead + j * 4 * kPanel), _MM_HINT_T1);
       }
       #pragma GCC unroll 4
       for (int p = 0; p < NP; ++p) {
-        const int8_t* wp = panels[p] + t * 4 * kPanel;
-        const __m512i w = _mm512_loadu_si512(wp);
+        const __m512i wv = _mm512_loadu_si512(w[p] + j * 4 * kPanel);
         #pragma GCC unroll 8
-        for (int i = 0; i < MR; ++i) acc[p][i] = _mm512_dpbusd_epi32(acc[p][i], w, broadcast_pair(x + i * ldx + 4 * t));
+        for (int i = 0; i < MR; ++i) acc[p][i] = _mm512_dpbusd_epi32(acc[p][i], wv, broadcast_pair(xg + i * ldx + 4 * j));
       }
     }
     #pragma GCC unroll 8
@@ -261,44 +306,70 @@ inline void run_rows(const Problem<W>& pr, int64_t m, int64_t mr, const int64_t 
   run_tile<NP, kMax>(pr, m, panel, fetch);
 }
 
-// Rows [0, M) against panels [begin, end), two panels per tile. With one row a tile takes one panel
-// from each of kStreams equal parts of the thread's range: that many sequential streams keep more
-// cache-line fetches in flight than one (see two_streams in packed_gemm.h).
+// One row against panels [begin, end). A tile takes one panel from each of kStreams equal parts of
+// the range: that many sequential streams keep more cache-line fetches in flight than one (see
+// two_streams in packed_gemm.h).
 template <typename W>
-inline void run_panels(const Problem<W>& pr, int64_t M, int64_t begin, int64_t end) {
-  if (M == 1) {
-    const int64_t part = (end - begin + kStreams - 1) / kStreams;
-    for (int64_t j = 0; j < part; ++j) {
-      int64_t panel[kStreams];
-      int count = 0;
-      for (int s = 0; s < kStreams; ++s)
-        if (begin + s * part + j < end) panel[count++] = begin + s * part + j;
-      if (count == kStreams) {
-        run_tile<kStreams, 1>(pr, 0, panel);
-      } else {
-        for (int s = 0; s < count; ++s) {
-          const int64_t one[1] = {panel[s]};
-          run_tile<1, 1>(pr, 0, one);
-        }
-      }
-    }
-    return;
-  }
-  const int64_t tiles = (M + tile_rows<W>() - 1) / tile_rows<W>();
-  for (int64_t p = begin; p < end; p += 2) {
-    for (int64_t m = 0; m < M; m += tile_rows<W>()) {
-      const int64_t mr = std::min<int64_t>(tile_rows<W>(), M - m);
-      if (p + 1 < end) {
-        const int64_t panel[2] = {p, p + 1};
-        const Fetch fetch{p + 3 < end ? 2 * pr.panel_stride : 0, m / tile_rows<W>(), tiles};
-        run_rows<2>(pr, m, mr, panel, fetch);
-      } else {
-        const int64_t panel[1] = {p};
-        run_rows<1>(pr, m, mr, panel, Fetch{});
+inline void run_streams(const Problem<W>& pr, int64_t begin, int64_t end) {
+  const int64_t part = (end - begin + kStreams - 1) / kStreams;
+  for (int64_t j = 0; j < part; ++j) {
+    int64_t panel[kStreams];
+    int count = 0;
+    for (int s = 0; s < kStreams; ++s)
+      if (begin + s * part + j < end) panel[count++] = begin + s * part + j;
+    if (count == kStreams) {
+      run_tile<kStreams, 1>(pr, 0, panel);
+    } else {
+      for (int s = 0; s < count; ++s) {
+        const int64_t one[1] = {panel[s]};
+        run_tile<1, 1>(pr, 0, one);
       }
     }
   }
 }
+
+// Rows [0, M) of panel pair q (panels 2q and 2q + 1; a lone panel at the very end of P). Its row tiles
+// request pair `next` ahead (-1: none).
+template <typename W>
+inline void run_pair(const Problem<W>& pr, int64_t M, int64_t P, int64_t q, int64_t next) {
+  const int64_t p = 2 * q, tiles = (M + tile_rows<W>() - 1) / tile_rows<W>();
+  const int64_t ahead = next >= 0 && 2 * next + 1 < P ? 2 * (next - q) * pr.panel_stride : 0;
+  for (int64_t m = 0; m < M; m += tile_rows<W>()) {
+    const int64_t mr = std::min<int64_t>(tile_rows<W>(), M - m);
+    if (p + 1 < P) {
+      const int64_t panel[2] = {p, p + 1};
+      run_rows<2>(pr, m, mr, panel, Fetch{ahead, m / tile_rows<W>(), tiles});
+    } else {
+      const int64_t panel[1] = {p};
+      run_rows<1>(pr, m, mr, panel, Fetch{});
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------- work sharing
+// A thread's share of a GEMM, units [front, back) packed in one atomic word: the owner takes units
+// from the front, a thread that ran out of its own work takes them from the back. Shares start
+// equal, but the two cores of a busy VM do not run at equal speed; without stealing, the faster one
+// waits at the end of every GEMM.
+class alignas(64) Share {
+ public:
+  void reset(int64_t front, int64_t back) { bounds_.store(pack(front, back), std::memory_order_relaxed); }
+  int64_t take_front() { return take(true); }
+  int64_t take_back() { return take(false); }
+
+ private:
+  static uint64_t pack(int64_t front, int64_t back) { return static_cast<uint64_t>(back) << 32 | static_cast<uint64_t>(front); }
+  int64_t take(bool front_end) {  // the unit taken, or -1 when none is left
+    uint64_t bounds = bounds_.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t front = static_cast<int64_t>(bounds & 0xFFFFFFFFu), back = static_cast<int64_t>(bounds >> 32);
+      if (front >= back) return -1;
+      const uint64_t next = front_end ? pack(front + 1, back) : pack(front, back - 1);
+      if (bounds_.compare_exchange_weak(bounds, next, std::memory_order_relaxed)) return front_end ? front : back - 1;
+    }
+  }
+  std::atomic<uint64_t> bounds_{0};
+};
 
 // x: [M, K] float32 -> [M, N] float32; wp: P panels, [P, KP, 16]: bf16 k pairs (KP = K rounded up to
 // even) or int8 k quads offset by 128 (KP = K rounded up to kGroup).
@@ -307,34 +378,57 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
                   const at::Tensor& bias, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1), G = KP / kGroup;
   at::Tensor y = at::empty({M, N}, x.options());
-  std::vector<uint32_t> xb;
+  Buffer<uint32_t> xb;
   Q8Rows xq;
   const float* xp = x.data_ptr<float>();
   Problem<W> pr{wp, KP * kPanel, KP, nullptr, nullptr, nullptr,
                 scale.data_ptr<float>(), bias.data_ptr<float>(), y.data_ptr<float>(), N};
   if constexpr (std::is_same_v<W, uint16_t>) {
     xb = bf16_tiles(xp, M, K, KP);
-    pr.x = xb.data();
+    pr.x = xb.get();
   } else {
     xq = quantize_q8(xp, M, K, KP);
-    pr.x = xq.values.data();
-    pr.group_scales = xq.scales.data();
-    pr.group_offsets = xq.offsets.data();
+    pr.x = xq.values.get();
+    pr.group_scales = xq.scales.get();
+    pr.group_offsets = xq.offsets.get();
   }
-  // One parallel region: each thread owns whole panel pairs (a lone panel only at the very end) and
-  // takes them past every block of kRowBlock rows in turn.
-  at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t b, int64_t e) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-      Problem<W> block = pr;
-      if constexpr (std::is_same_v<W, uint16_t>) {
-        block.x = xb.data() + m0 * KP / 2;
-      } else {
-        block.x = xq.values.data() + m0 * KP;
-        block.group_scales = xq.scales.data() + m0 * G;
-        block.group_offsets = xq.offsets.data() + m0 * G;
+  const auto rows_from = [&](int64_t m0) {  // the problem restricted to rows [m0, m0 + kRowBlock)
+    Problem<W> block = pr;
+    if constexpr (std::is_same_v<W, uint16_t>) {
+      block.x = xb.get() + m0 * KP / 2;
+    } else {
+      block.x = xq.values.get() + m0 * KP;
+      block.group_scales = xq.scales.get() + m0 * G;
+      block.group_offsets = xq.offsets.get() + m0 * G;
+    }
+    block.y = pr.y + m0 * N;
+    return block;
+  };
+  const int64_t pairs = (P + 1) / 2;
+  if (M == 1) {  // memory bound: equal static shares of the panels, each read in kStreams streams
+    at::parallel_for(0, pairs, 1, [&](int64_t b, int64_t e) { run_streams(pr, 2 * b, std::min(P, 2 * e)); });
+    return y;
+  }
+  // Units are (block of kRowBlock rows, panel pair). Thread t owns the pairs [t * pairs / T, (t + 1) *
+  // pairs / T) and takes them past every row block in turn (its panels stay hot across blocks); its
+  // next own unit's weights are requested while one computes.
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), pairs);
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  std::vector<Share> shares(threads);
+  const auto first_pair = [&](int64_t t) { return t * pairs / threads; };
+  for (int64_t t = 0; t < threads; ++t) shares[t].reset(0, blocks * (first_pair(t + 1) - first_pair(t)));
+  const auto run_unit = [&](int64_t t, int64_t unit, bool own) {
+    const int64_t first = first_pair(t), count = first_pair(t + 1) - first, m0 = unit / count * kRowBlock;
+    const int64_t q = first + unit % count, next = own && unit % count + 1 < count ? q + 1 : -1;
+    run_pair(rows_from(m0), std::min(kRowBlock, M - m0), P, q, next);
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      for (int64_t unit; (unit = shares[t].take_front()) >= 0;) run_unit(t, unit, true);
+      for (int64_t v = 1; v < threads; ++v) {  // then help the others, from the back of their shares
+        const int64_t victim = (t + v) % threads;
+        for (int64_t unit; (unit = shares[victim].take_back()) >= 0;) run_unit(victim, unit, false);
       }
-      block.y = pr.y + m0 * N;
-      run_panels(block, std::min(kRowBlock, M - m0), 2 * b, std::min(P, 2 * e));
     }
   });
   return y;

@@ -12,6 +12,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.engine.process_tuning import freeze_startup_heap, keep_freed_memory
 from tokenmill.loader.model_loader import ModelSource
 from tokenmill.outputs import EngineCoreOutput
 from tokenmill.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -89,6 +90,8 @@ class EngineCore:
             config.model.weight_dtype or config.model.dtype, self.runner.backend.name,
             "on" if self.runner.fused_decode_off_reason is None else f"off ({self.runner.fused_decode_off_reason})",
         )
+        freeze_startup_heap()
+        keep_freed_memory()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
