@@ -171,7 +171,7 @@ struct Q8Rows {
 inline Q8Rows quantize_q8(const float* x, int64_t M, int64_t K, int64_t K4) {
   const int64_t G = K4 / kGroup;
   Q8Rows q{buffer<int8_t>(M * K4), buffer<float>(M * G), buffer<int32_t>(M * G)};
-  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t g = 0; g < G; ++g) {
         const int64_t k = g * kGroup;
