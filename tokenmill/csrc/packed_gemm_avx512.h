@@ -353,7 +353,7 @@ inline void run_pair(const Problem<W>& pr, int64_t M, int64_t P, int64_t q, int6
 // waits at the end of every GEMM.
 class alignas(64) Share {
  public:
-  void reset(int64_t front, int64_t back) { bounds_.store(pack(front, back), std::memory_order_relaxed); }
+  void reset(int64_t units) { bounds_.store(pack(0, units), std::memory_order_relaxed); }
   int64_t take_front() { return take(true); }
   int64_t take_back() { return take(false); }
 
@@ -416,7 +416,7 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
   const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
   std::vector<Share> shares(threads);
   const auto first_pair = [&](int64_t t) { return t * pairs / threads; };
-  for (int64_t t = 0; t < threads; ++t) shares[t].reset(0, blocks * (first_pair(t + 1) - first_pair(t)));
+  for (int64_t t = 0; t < threads; ++t) shares[t].reset(blocks * (first_pair(t + 1) - first_pair(t)));
   const auto run_unit = [&](int64_t t, int64_t unit, bool own) {
     const int64_t first = first_pair(t), count = first_pair(t + 1) - first, m0 = unit / count * kRowBlock;
     const int64_t q = first + unit % count, next = own && unit % count + 1 < count ? q + 1 : -1;

@@ -21,8 +21,9 @@ _MMAP_THRESHOLD_MAX = 32 << 20  # the largest glibc accepts on 64-bit systems
 def freeze_startup_heap() -> None:
     """Move every object alive now (the model, tokenizer, imported modules: ~360k objects with
     transformers loaded) out of reach of Python's cyclic garbage collector. Its full collections
-    walk all tracked objects, ~0.2 s each, several per minute of serving; frozen objects are still
-    freed by reference counting, and handed back at exit so that shutdown finalizes them."""
+    walk all tracked objects, ~0.2 s each, several per minute of serving. Frozen objects are still
+    freed by reference counting (a frozen reference cycle waits for exit), and handed back at exit
+    so that shutdown finalizes them."""
     gc.collect()
     gc.freeze()
     atexit.unregister(gc.unfreeze)  # once per process, however many engines it builds
@@ -39,7 +40,7 @@ def keep_freed_memory() -> None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
-    except (OSError, AttributeError, ctypes.ArgumentError):  # not glibc (musl has no mallopt): keep the defaults
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt): keep the defaults
         ok = False
     if not ok:
         logger.debug("mallopt unavailable; the allocator keeps its defaults")
