@@ -114,6 +114,22 @@ def test_bf16_linear_multiplies_the_bf16_weights_exactly(num_tokens: int) -> Non
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+@pytest.mark.parametrize("num_tokens", [1, 3, 8, 37, 300])  # streams (one row), register tiles, row blocks
+@pytest.mark.parametrize("intermediate", [48, 40])  # halves of whole panels (fused), and not (split after)
+def test_silu_and_mul_equals_the_activation_of_the_projection(kind: str, num_tokens: int, intermediate: int) -> None:
+    """The MLP's gate and up projection with silu(gate) * up in the GEMM's epilogue gives what the plain
+    projection followed by the activation gives."""
+    w, bias = random_weight(2 * intermediate, 77, seed=3) * 0.1, torch.randn(2 * intermediate)
+    x = torch.randn(num_tokens, 77)
+    layer = Bf16Linear(w, bias) if kind == "bf16" else Int8Linear.from_weight(w, bias, kernel="cpu")
+    gate, up = layer(x).chunk(2, dim=-1)
+    got = layer.silu_and_mul(x)
+    assert got.shape == (num_tokens, intermediate)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
 def test_unknown_quantization_is_a_value_error_listing_the_options() -> None:
     with pytest.raises(ValueError, match="int8"):
         EngineArgs(quantization="int3").create_engine_config()

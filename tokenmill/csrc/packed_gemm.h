@@ -23,6 +23,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/addmm.h>
+#include <ATen/ops/silu.h>
 
 #include <algorithm>
 #include <cmath>
@@ -430,9 +431,10 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
 
 // x: [M, K] float32 contiguous; packed: [P, KP, 16] bf16 or int8 (layouts above and in packed_gemm_avx512.h);
 // scale, bias: [P * 16] float32
-// (scale all ones for bf16) -> [M, N] float32
+// (scale all ones for bf16) -> [M, N] float32. With silu_mul (the outputs are [gate | up] halves of
+// whole panels: N == 16 P, P even) -> [M, N / 2], silu(gate) * up.
 inline at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                                const at::Tensor& bias, int64_t N) {
+                                const at::Tensor& bias, int64_t N, bool silu_mul) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [M, K] float32");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
               "packed: contiguous [P, K, 16]");
@@ -446,8 +448,29 @@ inline at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, c
 #endif
   TORCH_CHECK(KP == expected, "x has ", K, " features, the weight ", KP, " (expected ", expected, ")");
   TORCH_CHECK(P * kPanel >= N && scale.numel() == P * kPanel && bias.numel() == P * kPanel, "bad scale/bias");
-  if (int8) return linear(x, packed.data_ptr<int8_t>(), P, KP, scale, bias, N);
-  return linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, KP, scale, bias, N);
+  TORCH_CHECK(!silu_mul || (N == P * kPanel && P % 2 == 0), "silu_mul needs [gate | up] halves of whole panels");
+#ifdef TM_AVX512  // the activation in the GEMM's epilogue
+  if (int8) return avx512::linear(x, packed.data_ptr<int8_t>(), P, KP, scale, bias, N, silu_mul);
+  return avx512::linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, KP, scale, bias,
+                        N, silu_mul);
+#else
+  const at::Tensor y = int8 ? linear(x, packed.data_ptr<int8_t>(), P, KP, scale, bias, N)
+                            : linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, KP,
+                                     scale, bias, N);
+  if (!silu_mul) return y;
+  return at::silu(y.narrow(1, 0, N / 2)).mul_(y.narrow(1, N / 2, N / 2));
+#endif
+}
+
+// The registered ops (quant/csrc/packed_gemm.cpp).
+inline at::Tensor packed_linear_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                   const at::Tensor& bias, int64_t N) {
+  return packed_linear(x, packed, scale, bias, N, false);
+}
+
+inline at::Tensor packed_linear_silu_mul_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                            const at::Tensor& bias, int64_t N) {
+  return packed_linear(x, packed, scale, bias, N, true);
 }
 
 }  // namespace tokenmill::gemm

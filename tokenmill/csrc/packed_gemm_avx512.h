@@ -28,7 +28,10 @@
 #include <cstring>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
+
+#include "avx2_math.h"  // exp512
 
 namespace tokenmill::gemm::avx512 {
 
@@ -257,6 +260,13 @@ inline void store_row(__m512 acc, const float* scale, const float* bias, float* 
   _mm512_mask_storeu_ps(y, mask, r);
 }
 
+// y[0:16] = silu(gate) * up = gate / (1 + exp(-gate)) * up, as ops::silu_and_mul computes it.
+inline void store_silu_mul(__m512 gate, __m512 up, float* y) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+  _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_mul_ps(gate, sig), up));
+}
+
 // ------------------------------------------------------------------------------- the GEMM
 // What a call needs besides the tiles: the prepared activation rows and the output.
 template <typename W>
@@ -269,8 +279,13 @@ struct Problem {
   const int32_t* group_offsets;  // int8: [M, KP / kGroup]
   const float* scale;
   const float* bias;
-  float* y;               // [M, N]
+  float* y;               // [M, ldy]
   int64_t N;
+  int64_t ldy;            // N, or N / 2 with silu_mul
+  // silu_mul: the weights are [gate | up] halves of P / 2 panels each; panel q pairs with panel
+  // q + P / 2 and y[:, 16 q : 16 q + 16] = silu(gate) * up, the MLP's activation in the GEMM's
+  // epilogue (no [M, N] intermediate written and read back). 0: a plain GEMM.
+  int64_t up_panels;
 };
 
 template <typename W>
@@ -290,10 +305,20 @@ inline void run_tile(const Problem<W>& pr, int64_t m, const int64_t (&panel)[NP]
     tile_q8<NP, MR>(static_cast<const int8_t*>(pr.x) + m * pr.KP, pr.KP, pr.group_scales + m * G,
                     pr.group_offsets + m * G, G, panels, G, fetch, out);
   }
+  if constexpr (NP == 2) {
+    if (pr.up_panels) {  // panel[1] == panel[0] + up_panels: the same channels' gate and up
+      const int64_t g0 = panel[0] * kPanel, u0 = panel[1] * kPanel;
+      for (int i = 0; i < MR; ++i)
+        store_silu_mul(_mm512_fmadd_ps(out[0][i], _mm512_loadu_ps(pr.scale + g0), _mm512_loadu_ps(pr.bias + g0)),
+                       _mm512_fmadd_ps(out[1][i], _mm512_loadu_ps(pr.scale + u0), _mm512_loadu_ps(pr.bias + u0)),
+                       pr.y + (m + i) * pr.ldy + g0);
+      return;
+    }
+  }
   for (int p = 0; p < NP; ++p) {
     const int64_t n0 = panel[p] * kPanel, cols = std::min(kPanel, pr.N - n0);
     for (int i = 0; i < MR; ++i)
-      store_row(out[p][i], pr.scale + n0, pr.bias + n0, pr.y + (m + i) * pr.N + n0, cols);
+      store_row(out[p][i], pr.scale + n0, pr.bias + n0, pr.y + (m + i) * pr.ldy + n0, cols);
   }
 }
 
@@ -328,16 +353,23 @@ inline void run_streams(const Problem<W>& pr, int64_t begin, int64_t end) {
   }
 }
 
-// Rows [0, M) of panel pair q (panels 2q and 2q + 1; a lone panel at the very end of P). Its row tiles
-// request pair `next` ahead (-1: none).
+// The panels of pair q: 2q and 2q + 1, or with silu_mul q and q + P / 2 (gate and up of the same
+// channels). The second is past P for a lone panel at the very end.
+template <typename W>
+inline std::pair<int64_t, int64_t> pair_panels(const Problem<W>& pr, int64_t q) {
+  return pr.up_panels ? std::pair{q, q + pr.up_panels} : std::pair{2 * q, 2 * q + 1};
+}
+
+// Rows [0, M) of panel pair q (pair_panels). Its row tiles request pair `next` ahead (-1: none).
 template <typename W>
 inline void run_pair(const Problem<W>& pr, int64_t M, int64_t P, int64_t q, int64_t next) {
-  const int64_t p = 2 * q, tiles = (M + tile_rows<W>() - 1) / tile_rows<W>();
-  const int64_t ahead = next >= 0 && 2 * next + 1 < P ? 2 * (next - q) * pr.panel_stride : 0;
+  const auto [p, p2] = pair_panels(pr, q);
+  const int64_t tiles = (M + tile_rows<W>() - 1) / tile_rows<W>();
+  const int64_t ahead = next >= 0 && pair_panels(pr, next).second < P ? (pair_panels(pr, next).first - p) * pr.panel_stride : 0;
   for (int64_t m = 0; m < M; m += tile_rows<W>()) {
     const int64_t mr = std::min<int64_t>(tile_rows<W>(), M - m);
-    if (p + 1 < P) {
-      const int64_t panel[2] = {p, p + 1};
+    if (p2 < P) {
+      const int64_t panel[2] = {p, p2};
       run_rows<2>(pr, m, mr, panel, Fetch{ahead, m / tile_rows<W>(), tiles});
     } else {
       const int64_t panel[1] = {p};
@@ -372,17 +404,19 @@ class alignas(64) Share {
 };
 
 // x: [M, K] float32 -> [M, N] float32; wp: P panels, [P, KP, 16]: bf16 k pairs (KP = K rounded up to
-// even) or int8 k quads offset by 128 (KP = K rounded up to kGroup).
+// even) or int8 k quads offset by 128 (KP = K rounded up to kGroup). With silu_mul (N == 16 P, P even):
+// -> [M, N / 2], silu of the first half of the outputs times the second (see Problem).
 template <typename W>
 at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const at::Tensor& scale,
-                  const at::Tensor& bias, int64_t N) {
-  const int64_t M = x.size(0), K = x.size(1), G = KP / kGroup;
-  at::Tensor y = at::empty({M, N}, x.options());
+                  const at::Tensor& bias, int64_t N, bool silu_mul = false) {
+  TORCH_CHECK(!silu_mul || (N == P * kPanel && P % 2 == 0), "silu_mul needs [gate | up] halves of whole panels");
+  const int64_t M = x.size(0), K = x.size(1), G = KP / kGroup, ldy = silu_mul ? N / 2 : N;
+  at::Tensor y = at::empty({M, ldy}, x.options());
   Buffer<uint32_t> xb;
   Q8Rows xq;
   const float* xp = x.data_ptr<float>();
   Problem<W> pr{wp, KP * kPanel, KP, nullptr, nullptr, nullptr,
-                scale.data_ptr<float>(), bias.data_ptr<float>(), y.data_ptr<float>(), N};
+                scale.data_ptr<float>(), bias.data_ptr<float>(), y.data_ptr<float>(), N, ldy, silu_mul ? P / 2 : 0};
   if constexpr (std::is_same_v<W, uint16_t>) {
     xb = bf16_tiles(xp, M, K, KP);
     pr.x = xb.get();
@@ -401,10 +435,19 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
       block.group_scales = xq.scales.get() + m0 * G;
       block.group_offsets = xq.offsets.get() + m0 * G;
     }
-    block.y = pr.y + m0 * N;
+    block.y = pr.y + m0 * ldy;
     return block;
   };
   const int64_t pairs = (P + 1) / 2;
+  if (M == 1 && silu_mul) {  // memory bound: gate and up panels are two streams already
+    at::parallel_for(0, pairs, 1, [&](int64_t b, int64_t e) {
+      for (int64_t q = b; q < e; ++q) {
+        const int64_t panel[2] = {q, q + P / 2};
+        run_tile<2, 1>(pr, 0, panel);
+      }
+    });
+    return y;
+  }
   if (M == 1) {  // memory bound: equal static shares of the panels, each read in kStreams streams
     at::parallel_for(0, pairs, 1, [&](int64_t b, int64_t e) { run_streams(pr, 2 * b, std::min(P, 2 * e)); });
     return y;

@@ -87,6 +87,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = getattr(self.gate_up_proj, "silu_and_mul", None)  # packed layers: the activation in the GEMM
+        if fused is not None:
+            return self.down_proj(fused(x))
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
         ops = cpu_ops(gate_up)
         if ops is not None:

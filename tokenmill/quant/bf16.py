@@ -41,5 +41,20 @@ class Bf16Linear(nn.Module):
         return torch.ops.tokenmill_quant.packed_linear(x.float().contiguous(), self.packed, self.ones, self.bias,
                                                        self.out_features)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a [gate | up] projection (the MLP's): [num_tokens, in] -> [num_tokens, out / 2].
+        Where the halves are whole panels, the activation runs in the GEMM's epilogue, so the [num_tokens,
+        out] projection is never written out and read back."""
+        if self.out_features % (2 * PANEL):
+            return split_silu_mul(self(x))
+        return torch.ops.tokenmill_quant.packed_linear_silu_mul(x.float().contiguous(), self.packed, self.ones,
+                                                                self.bias, self.out_features)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weights=bf16 packed"
+
+
+def split_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2 I] (gate | up) -> [..., I]: silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

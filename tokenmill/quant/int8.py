@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.quant import kernels
+from tokenmill.quant.bf16 import split_silu_mul
 from tokenmill.quant.panels import PANEL, pack_int8, unpack_int8
 
 
@@ -94,6 +95,16 @@ class Int8Linear(nn.Module):
             y = F.linear(x.float(), self.qweight.float()) * self.scale
             if self.bias is not None:
                 y = y + self.bias
+        return y.to(x.dtype)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a [gate | up] projection (the MLP's): [num_tokens, in] -> [num_tokens, out / 2],
+        in the C++ GEMM's epilogue where the halves are whole panels (see Bf16Linear.silu_and_mul)."""
+        if self.kernel != "cpu" or self.out_features % (2 * PANEL):
+            return split_silu_mul(self(x))
+        y = torch.ops.tokenmill_quant.packed_linear_silu_mul(
+            x.float().contiguous(), self.qweight, self.scale, self.bias, self.out_features
+        )
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -26,7 +26,17 @@ inline at::Tensor linear(const PackedLinear& w, const at::Tensor& x) {
     const at::Tensor& bias = std::get<2>(w);
     return bias.numel() ? at::linear(x, weight, bias) : at::linear(x, weight);
   }
-  return gemm::packed_linear(x, weight, std::get<1>(w), std::get<2>(w), std::get<3>(w));
+  return gemm::packed_linear(x, weight, std::get<1>(w), std::get<2>(w), std::get<3>(w), false);
+}
+
+// silu(gate) * up of a [gate | up] projection: in the packed GEMM's epilogue where the halves are
+// whole panels (gemm::packed_linear), else after it (ops::silu_and_mul).
+inline at::Tensor linear_silu_mul(const PackedLinear& w, const at::Tensor& x) {
+  const at::Tensor& weight = std::get<0>(w);
+  const int64_t N = std::get<3>(w);
+  if (weight.dim() == 3 && N == weight.size(0) * gemm::kPanel && weight.size(0) % 2 == 0)
+    return gemm::packed_linear(x, weight, std::get<1>(w), std::get<2>(w), N, true);
+  return ops::silu_and_mul(linear(w, x));
 }
 
 struct Layer {
@@ -77,7 +87,7 @@ class DecodeStack {
       at::Tensor attn = attn::paged_decode(q, layer.kv_cache, block_tables, seq_lens, scale_);  // [B, Hq, D]
       at::Tensor o = linear(layer.o, attn.view({batch, q_size}));
       ops::add_rms_norm_(o, residual, layer.post_attention_norm, eps_);
-      x = linear(layer.down, ops::silu_and_mul(linear(layer.gate_up, o)));
+      x = linear(layer.down, linear_silu_mul(layer.gate_up, o));
     }
     ops::add_rms_norm_(x, residual, final_norm_, eps_);
     return x;
