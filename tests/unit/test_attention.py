@@ -206,6 +206,12 @@ def test_paged_attention_over_prompt_chunks_and_decode_rows(num_heads: int, num_
     # (<= 2^-8 of it, times a value of a few units).
     assert (got.double() - expected).abs().max().item() < 5e-3
     assert (got.double() - exact).abs().max().item() < 3e-2  # the bf16 products themselves
+    # q as the model passes it: a view of the fused QKV output, its rows wider than the q heads
+    qkv = torch.cat([q.flatten(1), torch.randn(q.shape[0], 2 * num_kv_heads * head_dim, generator=gen)], dim=1)
+    q_view = qkv[:, : num_heads * head_dim].view(q.shape)
+    in_place = kernels.paged_attention(q_view, to_pair_layout(cache), tables, lens,
+                                       torch.tensor(starts, dtype=torch.int32), head_dim**-0.5)
+    assert torch.equal(in_place, got)
 
 
 def test_paged_attention_rejects_bad_query_starts() -> None:
@@ -230,18 +236,23 @@ def test_write_kv_fills_the_pair_layout(dtype: torch.dtype) -> None:
     like torch's conversion; out-of-range slots are refused."""
     kernels = SDPABackend(torch.device("cpu"))._kernels
     gen = torch.Generator().manual_seed(3)
-    cache = torch.zeros(2, 8, 16, 3, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 32, 16, 3, 64, dtype=torch.bfloat16)
     if not kernels.avx512_supports(cache):
         pytest.skip("the pair layout belongs to the AVX-512 BF16 kernel")
-    slots = torch.randperm(8 * 16, generator=gen)[:40]
-    k = torch.randn(40, 3, 64, generator=gen).to(dtype)
-    v = torch.randn(40, 3, 64, generator=gen).to(dtype)
+    slots = torch.randperm(32 * 16, generator=gen)[:200]  # a prompt's worth: the rows split across threads
+    k = torch.randn(200, 3, 64, generator=gen).to(dtype)
+    v = torch.randn(200, 3, 64, generator=gen).to(dtype)
     kernels.write_kv(k, v, cache, slots)
-    plain = torch.zeros(2, 8, 16, 3, 64, dtype=torch.bfloat16)
+    plain = torch.zeros(2, 32, 16, 3, 64, dtype=torch.bfloat16)
     plain[0].view(-1, 3, 64)[slots] = k.to(torch.bfloat16)
     plain[1].view(-1, 3, 64)[slots] = v.to(torch.bfloat16)
     assert torch.equal(from_pair_layout(cache), plain) and torch.equal(cache, to_pair_layout(plain))
-    for bad in (-1, 8 * 16):
+    # k and v as the model passes them: views of the fused QKV output, read in place
+    qkv = torch.cat([torch.randn(200, 9 * 64, generator=gen).to(dtype), k.flatten(1), v.flatten(1)], dim=1)
+    from_views = torch.zeros_like(cache)
+    kernels.write_kv(qkv[:, 9 * 64 : 12 * 64].view(200, 3, 64), qkv[:, 12 * 64 :].view(200, 3, 64), from_views, slots)
+    assert torch.equal(from_views, cache)
+    for bad in (-1, 32 * 16):
         with pytest.raises(RuntimeError, match="out of range"):
             kernels.write_kv(k[:1], v[:1], cache, torch.tensor([bad]))
 

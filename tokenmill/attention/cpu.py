@@ -39,8 +39,8 @@ class SDPABackend:
     ) -> torch.Tensor:
         if self._kernels is not None and self._kernels.avx512_supports(kv_cache):
             self._kernels.write_kv(k, v, kv_cache, meta.slot_mapping)
-            return self._kernels.paged_attention(
-                q.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
+            return self._kernels.paged_attention(  # q, k, v: views of the QKV output, read in place
+                q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
             )
         write_kv(k, v, kv_cache, meta.slot_mapping)
         if meta.is_all_decode:

@@ -69,6 +69,8 @@ inline __m512 load16(const at::BFloat16* x) {  // bf16 -> float32: the bits in t
 
 // Rows' kv heads into their cache slots, rounded to bf16 (to nearest even, as torch converts).
 // Row i: k at k + i * row_stride, v at v + i * row_stride, each [Hkv][D]; 0 <= slots[i] < num_slots.
+// A prompt's rows split across the threads: each token owns whole dwords of the keys and the half of
+// each value dword it writes under a mask, so rows sharing a block never write the same bytes.
 template <typename T>
 inline void write_rows(const T* k, const T* v, int64_t row_stride, int64_t rows, const int64_t* slots,
                        at::BFloat16* k_cache, at::BFloat16* v_cache, int64_t num_kv_heads, int64_t head_dim) {
@@ -80,24 +82,26 @@ inline void write_rows(const T* k, const T* v, int64_t row_stride, int64_t rows,
   alignas(64) static constexpr uint16_t spread_lo[32] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7,
                                                          8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
   const __m512i lo = _mm512_load_si512(spread_lo), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t block = slots[i] / kBlock, t = slots[i] % kBlock;
-    const __m512i key_slots = _mm512_add_epi32(pair_rows, _mm512_set1_epi32(static_cast<int>(t)));
-    const __mmask32 half = t % 2 ? 0xAAAAAAAA : 0x55555555;
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      auto* kc = reinterpret_cast<int32_t*>(k_cache + (block * num_kv_heads + h) * head_chunk);
-      at::BFloat16* vc = v_cache + (block * num_kv_heads + h) * head_chunk + (t / 2) * 2 * head_dim;
-      const T* kr = k + i * row_stride + h * head_dim;
-      const T* vr = v + i * row_stride + h * head_dim;
-      for (int64_t d = 0; d < head_dim; d += 32) {
-        const __m512i kb = (__m512i)_mm512_cvtne2ps_pbh(load16(kr + d + 16), load16(kr + d));
-        _mm512_i32scatter_epi32(kc + d / 2 * kBlock, key_slots, kb, 4);
-        const __m512i vb = (__m512i)_mm512_cvtne2ps_pbh(load16(vr + d + 16), load16(vr + d));
-        _mm512_mask_storeu_epi16(vc + 2 * d, half, _mm512_permutexvar_epi16(lo, vb));
-        _mm512_mask_storeu_epi16(vc + 2 * d + 32, half, _mm512_permutexvar_epi16(hi, vb));
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t block = slots[i] / kBlock, t = slots[i] % kBlock;
+      const __m512i key_slots = _mm512_add_epi32(pair_rows, _mm512_set1_epi32(static_cast<int>(t)));
+      const __mmask32 half = t % 2 ? 0xAAAAAAAA : 0x55555555;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        auto* kc = reinterpret_cast<int32_t*>(k_cache + (block * num_kv_heads + h) * head_chunk);
+        at::BFloat16* vc = v_cache + (block * num_kv_heads + h) * head_chunk + (t / 2) * 2 * head_dim;
+        const T* kr = k + i * row_stride + h * head_dim;
+        const T* vr = v + i * row_stride + h * head_dim;
+        for (int64_t d = 0; d < head_dim; d += 32) {
+          const __m512i kb = (__m512i)_mm512_cvtne2ps_pbh(load16(kr + d + 16), load16(kr + d));
+          _mm512_i32scatter_epi32(kc + d / 2 * kBlock, key_slots, kb, 4);
+          const __m512i vb = (__m512i)_mm512_cvtne2ps_pbh(load16(vr + d + 16), load16(vr + d));
+          _mm512_mask_storeu_epi16(vc + 2 * d, half, _mm512_permutexvar_epi16(lo, vb));
+          _mm512_mask_storeu_epi16(vc + 2 * d + 32, half, _mm512_permutexvar_epi16(hi, vb));
+        }
       }
     }
-  }
+  });
 }
 
 // ------------------------------------------------------------------------------- the softmax
@@ -250,7 +254,8 @@ inline void attend_head(const float* const* q_rows, float* const* out_rows, cons
   }
 }
 
-// q: [tokens, num_heads, D] float32, the rows of sequence i at [query_start[i], query_start[i + 1]),
+// q: [tokens, num_heads, D] float32, token rows q_stride floats apart (heads contiguous within a row:
+// a view of a fused QKV output reads in place), the rows of sequence i at [query_start[i], query_start[i + 1]),
 // the last ones of its context of seq_lens[i] tokens (each attends to its position and before); no
 // query_start: one row per sequence. The cache halves: [num_blocks, Hkv, 16 * D] bf16 in the pair
 // layout (see write_rows). out: like q. A sequence with no context gets zeros.
@@ -258,9 +263,9 @@ inline void attend_head(const float* const* q_rows, float* const* out_rows, cons
 // A work item is a tile of a sequence's query tokens and all its kv heads (one table walk for all);
 // with too few tiles to keep the threads busy, one kv head.
 template <int C>
-void attend(const float* q, const int32_t* query_start, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
-            const int32_t* block_tables, const int32_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
-            int64_t num_kv_heads, int64_t max_blocks, float scale) {
+void attend(const float* q, int64_t q_stride, const int32_t* query_start, const at::BFloat16* k_cache,
+            const at::BFloat16* v_cache, const int32_t* block_tables, const int32_t* seq_lens, float* out,
+            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t max_blocks, float scale) {
   constexpr int64_t D = 16 * C, kChunk = kBlock * D;  // bf16 of one kv head in a block half
   const int64_t group = num_heads / num_kv_heads;
   const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group);
@@ -322,7 +327,8 @@ void attend(const float* q, const int32_t* query_start, const at::BFloat16* k_ca
         for (int64_t r = 0; r < rows; ++r) row_len[r] = seq_len - q_len + it.first + r / group + 1;
         for (int64_t h = 0; h < it.heads; ++h) {
           for (int64_t r = 0; r < rows; ++r) {
-            q_rows[r] = q + row_of(it.kvh0 + h, r) * D;
+            const int64_t index = row_of(it.kvh0 + h, r);
+            q_rows[r] = q + index / num_heads * q_stride + index % num_heads * D;
             out_rows[r] = out + row_of(it.kvh0 + h, r) * D;
           }
           attend_head<C>(q_rows.data(), out_rows.data(), row_len.data(), rows, k_blocks.data() + h * num_blocks,

@@ -369,11 +369,15 @@ inline void write_kv(const torch::Tensor& k, const torch::Tensor& v, const torch
   check_slots(slots.data_ptr<int64_t>(), tokens, kv_cache.size(1) * kv_cache.size(2));
 #ifdef TM_ATTN_AVX512
   at::BFloat16* cache = kv_cache.data_ptr<at::BFloat16>();
+  // k and v are usually views of a fused QKV output: rows of [Hkv][D] a row stride apart, read in place.
+  const bool rows_in_place = k.stride(2) == 1 && k.stride(1) == head_dim && v.stride(2) == 1 &&
+                             v.stride(1) == head_dim && k.stride(0) == v.stride(0);
+  const auto kc = rows_in_place ? k : k.contiguous(), vc = rows_in_place ? v : v.contiguous();
+  const int64_t row_stride = rows_in_place ? k.stride(0) : num_kv_heads * head_dim;
   const auto run = [&](const auto* kp, const auto* vp) {
-    avx512::write_rows(kp, vp, num_kv_heads * head_dim, tokens, slots.data_ptr<int64_t>(), cache,
-                       cache + kv_cache.numel() / 2, num_kv_heads, head_dim);
+    avx512::write_rows(kp, vp, row_stride, tokens, slots.data_ptr<int64_t>(), cache, cache + kv_cache.numel() / 2,
+                       num_kv_heads, head_dim);
   };
-  const auto kc = k.contiguous(), vc = v.contiguous();
   if (k.scalar_type() == at::kFloat) run(kc.data_ptr<float>(), vc.data_ptr<float>());
   else if (k.scalar_type() == at::kBFloat16) run(kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>());
   else TORCH_CHECK(false, "k, v must be float32 or bfloat16, got ", k.scalar_type());
@@ -414,13 +418,16 @@ inline torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor
                 "sequence ", i, ": ", rows, " query rows, context ", len, " (block table of ", tables.size(1),
                 " blocks): query_start must be nondecreasing, each sequence's rows at most its context");
   }
-  const auto qf = q.to(at::kFloat).contiguous();
-  auto out = torch::empty_like(qf);
+  // float32 rows whose heads lie side by side (a view of a fused QKV output) are read in place
+  const bool rows_in_place = q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2);
+  const auto qf = rows_in_place ? q : q.to(at::kFloat).contiguous();
+  auto out = torch::empty(q.sizes(), q.options().dtype(at::kFloat));
 #ifdef TM_ATTN_AVX512
   const at::BFloat16* cache = kv_cache.data_ptr<at::BFloat16>();
   const int64_t cache_half = kv_cache.numel() / 2;
   avx512::with_chunks(q.size(2), [&](auto c) {
-    avx512::attend<c()>(qf.data_ptr<float>(), query_start ? starts.data_ptr<int32_t>() : nullptr, cache, cache + cache_half,
+    avx512::attend<c()>(qf.data_ptr<float>(), qf.stride(0), query_start ? starts.data_ptr<int32_t>() : nullptr,
+                        cache, cache + cache_half,
                         tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<float>(), lens.numel(),
                         q.size(1), kv_cache.size(3), tables.size(1), static_cast<float>(scale));
   });

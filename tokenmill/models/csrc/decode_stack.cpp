@@ -83,7 +83,7 @@ class DecodeStack {
       at::Tensor qkv = linear(layer.qkv, x);  // [B, (Hq + 2 * Hkv) * D]
       ops::rotary_(qkv, num_heads_ + num_kv_heads_, head_dim_, cos, sin);
       write_kv(qkv, layer.kv_cache, slots.data_ptr<int64_t>(), q_size);
-      at::Tensor q = qkv.narrow(1, 0, q_size).contiguous().view({batch, num_heads_, head_dim_});
+      at::Tensor q = qkv.narrow(1, 0, q_size).view({batch, num_heads_, head_dim_});  // read in place
       at::Tensor attn = attn::paged_decode(q, layer.kv_cache, block_tables, seq_lens, scale_);  // [B, Hq, D]
       at::Tensor o = linear(layer.o, attn.view({batch, q_size}));
       ops::add_rms_norm_(o, residual, layer.post_attention_norm, eps_);
