@@ -365,7 +365,8 @@ template <typename W>
 inline void run_pair(const Problem<W>& pr, int64_t M, int64_t P, int64_t q, int64_t next) {
   const auto [p, p2] = pair_panels(pr, q);
   const int64_t tiles = (M + tile_rows<W>() - 1) / tile_rows<W>();
-  const int64_t ahead = next >= 0 && pair_panels(pr, next).second < P ? (pair_panels(pr, next).first - p) * pr.panel_stride : 0;
+  int64_t ahead = 0;  // the next pair's weights, as an offset from this pair's
+  if (next >= 0 && pair_panels(pr, next).second < P) ahead = (pair_panels(pr, next).first - p) * pr.panel_stride;
   for (int64_t m = 0; m < M; m += tile_rows<W>()) {
     const int64_t mr = std::min<int64_t>(tile_rows<W>(), M - m);
     if (p2 < P) {
