@@ -128,6 +128,10 @@ def test_silu_and_mul_equals_the_activation_of_the_projection(kind: str, num_tok
     got = layer.silu_and_mul(x)
     assert got.shape == (num_tokens, intermediate)
     torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    if intermediate % 16:  # the fused op itself refuses halves that split a panel, with a reason
+        weights = (layer.packed, layer.ones) if kind == "bf16" else (layer.qweight, layer.scale)
+        with pytest.raises(RuntimeError, match="halves of whole panels"):
+            torch.ops.tokenmill_quant.packed_linear_silu_mul(x, *weights, layer.bias, 2 * intermediate)
 
 
 def test_unknown_quantization_is_a_value_error_listing_the_options() -> None:

@@ -429,6 +429,9 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
   return y;
 }
 
+// Whether N outputs in P panels are [gate | up] halves of whole panels, as silu_mul pairs them.
+inline bool halves_of_whole_panels(int64_t P, int64_t N) { return N == P * kPanel && P % 2 == 0; }
+
 // x: [M, K] float32 contiguous; packed: [P, KP, 16] bf16 or int8 (layouts above and in packed_gemm_avx512.h);
 // scale, bias: [P * 16] float32
 // (scale all ones for bf16) -> [M, N] float32. With silu_mul (the outputs are [gate | up] halves of
@@ -448,7 +451,7 @@ inline at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, c
 #endif
   TORCH_CHECK(KP == expected, "x has ", K, " features, the weight ", KP, " (expected ", expected, ")");
   TORCH_CHECK(P * kPanel >= N && scale.numel() == P * kPanel && bias.numel() == P * kPanel, "bad scale/bias");
-  TORCH_CHECK(!silu_mul || (N == P * kPanel && P % 2 == 0), "silu_mul needs [gate | up] halves of whole panels");
+  TORCH_CHECK(!silu_mul || halves_of_whole_panels(P, N), "silu_mul needs [gate | up] halves of whole panels");
 #ifdef TM_AVX512  // the activation in the GEMM's epilogue
   if (int8) return avx512::linear(x, packed.data_ptr<int8_t>(), P, KP, scale, bias, N, silu_mul);
   return avx512::linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, KP, scale, bias,

@@ -405,12 +405,12 @@ class alignas(64) Share {
 };
 
 // x: [M, K] float32 -> [M, N] float32; wp: P panels, [P, KP, 16]: bf16 k pairs (KP = K rounded up to
-// even) or int8 k quads offset by 128 (KP = K rounded up to kGroup). With silu_mul (N == 16 P, P even):
-// -> [M, N / 2], silu of the first half of the outputs times the second (see Problem).
+// even) or int8 k quads offset by 128 (KP = K rounded up to kGroup). With silu_mul (N == 16 P, P even,
+// checked by packed_linear): -> [M, N / 2], silu of the first half of the outputs times the second
+// (see Problem).
 template <typename W>
 at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const at::Tensor& scale,
                   const at::Tensor& bias, int64_t N, bool silu_mul = false) {
-  TORCH_CHECK(!silu_mul || (N == P * kPanel && P % 2 == 0), "silu_mul needs [gate | up] halves of whole panels");
   const int64_t M = x.size(0), K = x.size(1), G = KP / kGroup, ldy = silu_mul ? N / 2 : N;
   at::Tensor y = at::empty({M, ldy}, x.options());
   Buffer<uint32_t> xb;

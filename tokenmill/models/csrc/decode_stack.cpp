@@ -34,7 +34,7 @@ inline at::Tensor linear(const PackedLinear& w, const at::Tensor& x) {
 inline at::Tensor linear_silu_mul(const PackedLinear& w, const at::Tensor& x) {
   const at::Tensor& weight = std::get<0>(w);
   const int64_t N = std::get<3>(w);
-  if (weight.dim() == 3 && N == weight.size(0) * gemm::kPanel && weight.size(0) % 2 == 0)
+  if (weight.dim() == 3 && gemm::halves_of_whole_panels(weight.size(0), N))
     return gemm::packed_linear(x, weight, std::get<1>(w), std::get<2>(w), N, true);
   return ops::silu_and_mul(linear(w, x));
 }
