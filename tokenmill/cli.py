@@ -29,7 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                         help="what the KV cache stores; auto: bf16 on a CPU running bf16 or int8 weights, "
-                             "else the model's dtype")
+                             "else the model's dtype; int8 (CPU with AVX-512 BF16): per-token scales, half of bf16")
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,

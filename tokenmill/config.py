@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
@@ -153,13 +153,16 @@ class EngineArgs:
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, weight_dtype: str | None, quantization: str | None,
                            device: str) -> str:
     """The KV cache's dtype. Only the CPU attention converts between the cache and the arithmetic dtype,
-    and its C++ kernel reads float32 or bf16."""
+    and its C++ kernel reads float32 or bf16; its AVX-512 BF16 kernel also reads int8 (per token and
+    head scales: attention/pair_layout.py), whose support the model runner checks once it knows the shapes."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; use one of {KV_CACHE_DTYPES}.")
     if kv_cache_dtype == "auto":
         narrow_weights = weight_dtype == "bfloat16" or quantization is not None
         return "bfloat16" if device == "cpu" and dtype == "float32" and narrow_weights else dtype
-    if kv_cache_dtype != dtype and (device != "cpu" or kv_cache_dtype not in ("float32", "bfloat16")):
+    if kv_cache_dtype == "int8" and device != "cpu":
+        raise ValueError("kv_cache_dtype 'int8' is read only by the CPU attention kernel; use 'auto' on this device.")
+    if kv_cache_dtype != dtype and (device != "cpu" or kv_cache_dtype not in ("float32", "bfloat16", "int8")):
         raise ValueError(
             f"kv_cache_dtype {kv_cache_dtype!r} differs from the model's dtype {dtype!r}: only the CPU backend "
             "converts, to and from float32 or bfloat16; use 'auto'."

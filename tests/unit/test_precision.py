@@ -15,6 +15,7 @@ from tokenmill.loader import model_loader
 from tokenmill.loader.model_loader import resolve_precision
 from tokenmill.outputs import RequestOutput
 from tokenmill.quant import Bf16Linear, kernels
+from tests.tiny_models import make_tiny_model
 
 
 def assert_same_greedy(got: list[RequestOutput], want: list[RequestOutput], logprob_tol: float) -> None:
@@ -102,6 +103,9 @@ def test_kv_cache_dtype_auto_is_bf16_under_narrow_weights_on_cpu() -> None:
         resolve_kv_cache_dtype("float16", "float32", None, None, "cpu")
     with pytest.raises(ValueError, match="unknown kv_cache_dtype"):
         resolve_kv_cache_dtype("fp8", "float32", None, None, "cpu")
+    assert resolve_kv_cache_dtype("int8", "float32", None, "int8", "cpu") == "int8"
+    with pytest.raises(ValueError, match="only by the CPU attention kernel"):
+        resolve_kv_cache_dtype("int8", "bfloat16", None, None, "cuda")
 
 
 def test_bf16_kv_cache_holds_twice_the_blocks_and_decodes_like_float32(
@@ -120,3 +124,34 @@ def test_bf16_kv_cache_holds_twice_the_blocks_and_decodes_like_float32(
     got = half.generate(prompts, params, use_tqdm=False)
     want = full.generate(prompts, params, use_tqdm=False)
     assert_same_greedy(got, want, logprob_tol=5e-2)
+
+
+def test_int8_kv_cache_holds_more_blocks_and_decodes_like_bf16(tmp_path: Path) -> None:
+    """An int8 cache (per token and head scales) holds 2D / (D + 4) times the bf16 blocks in the same
+    memory; greedy tokens equal a float32 cache's and logprobs stay close (measured up to 0.07, bf16's
+    0.05), through prompt chunks after a cached prefix, the fused decode stack and the layer-by-layer
+    path. (Against float32: a bf16 cache itself flips a near tie of this model.)"""
+    folder = make_tiny_model(tmp_path / "qwen3", "qwen3")  # head_dim 32, GQA 4 on 2
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
+    prompts = [[1, 2, 3, 4], list(range(5, 60)), list(range(5, 60)) + [7, 8, 9, 10, 11]]  # the last hits the cache
+    half = LLM(model=str(folder), dtype="bfloat16", kv_cache_memory_gb=0.01)
+    if not half.engine.runner.backend.serves_int8_cache(16, 2, 32):  # type: ignore[attr-defined]
+        pytest.skip("an int8 cache needs the AVX-512 BF16 attention kernel")
+    full = LLM(model=str(folder), dtype="bfloat16", kv_cache_memory_gb=0.01, kv_cache_dtype="float32")
+    want = [full.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    for eager in (False, True):
+        int8 = LLM(model=str(folder), dtype="bfloat16", kv_cache_memory_gb=0.01, kv_cache_dtype="int8",
+                   enforce_eager=eager)
+        assert all(c.dtype == torch.int8 and c.shape[-1] == 36 for c in int8.engine.runner.kv_caches)
+        assert int8.engine.num_blocks == pytest.approx(half.engine.num_blocks * 64 / 36, abs=2)  # each floored
+        got = [int8.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        assert got[2].metrics is not None and got[2].metrics.num_cached_tokens > 0
+        for g, w in zip(got, want):  # the third of the top 3 may differ: compare the tokens both list
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            for g_lp, w_lp in zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or []):
+                assert all(abs(g_lp[t].logprob - w_lp[t].logprob) < 0.1 for t in g_lp.keys() & w_lp.keys())
+
+
+def test_int8_kv_cache_is_refused_where_no_kernel_reads_it(llama_model: Path) -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' needs .* head_dim 32, 64 or 128 .*16"):
+        LLM(model=str(llama_model), kv_cache_dtype="int8", num_kv_blocks=8)  # head_dim 16

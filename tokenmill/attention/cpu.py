@@ -1,6 +1,6 @@
 """The fast CPU attention path (also runs on GPU without its C++ part).
 
-Over a bf16 cache on a CPU with AVX-512 BF16, every row of a step (decode rows and prompt chunks, a
+Over a bf16 or int8 cache on a CPU with AVX-512 BF16, every row of a step (decode rows and prompt chunks, a
 cached prefix included) goes to one call of our C++ paged-attention kernel, which reads the KV blocks
 in place; such a cache holds its blocks in the kernel's pair layout (attention/pair_layout.py), which
 our C++ write_kv writes. Otherwise decode rows go to the C++ paged-decode kernel (float32 or bf16
@@ -27,6 +27,11 @@ class SDPABackend:
         self._kernels = cpu_extensions.load("paged_decode") if use_cpp_kernels and device.type == "cpu" else None
         if self._kernels is not None:
             self.name = "cpu"
+
+    def serves_int8_cache(self, block_size: int, num_kv_heads: int, head_dim: int) -> bool:
+        """Whether this backend reads an int8 cache of these shapes (only the AVX-512 BF16 kernel does)."""
+        probe = torch.empty(2, 1, block_size, num_kv_heads, head_dim + 4, dtype=torch.int8)
+        return self._kernels is not None and bool(self._kernels.avx512_supports(probe))
 
     def forward(
         self,

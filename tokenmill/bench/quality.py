@@ -52,7 +52,7 @@ class Agreement:
 
 @dataclass(frozen=True)
 class QualityReport:
-    quantization: str
+    quantization: str  # of the candidate, with its kv_cache_dtype where not "auto"
     agreement: Agreement
     ppl_reference: float
     ppl_quantized: float
@@ -95,20 +95,23 @@ def perplexity(llm: Any, text: str = QUALITY_TEXT) -> float:
 
 
 def run_quality(
-    model: str | None, quantization: str, num_prompts: int = 20, max_tokens: int = 64, **engine_kwargs: Any
+    model: str | None, quantization: str, num_prompts: int = 20, max_tokens: int = 64, kv_cache_dtype: str = "auto",
+    **engine_kwargs: Any,
 ) -> QualityReport:
-    """Build the unquantized engine, then the quantized one (one at a time, to bound memory), and compare."""
+    """Build the unquantized engine (KV cache dtype auto), then the quantized one with `kv_cache_dtype`
+    (one at a time, to bound memory), and compare."""
     from tokenmill import LLM
 
     prompts = QUALITY_PROMPTS[:num_prompts]
     results = []
-    for quant in (None, quantization):
-        llm = LLM(model, quantization=quant, **engine_kwargs)
+    for quant, kv in ((None, "auto"), (quantization, kv_cache_dtype)):
+        llm = LLM(model, quantization=quant, kv_cache_dtype=kv, **engine_kwargs)
         results.append((greedy_tokens(llm, prompts, max_tokens), perplexity(llm)))
         del llm
         gc.collect()
     (ref_tokens, ref_ppl), (q_tokens, q_ppl) = results
-    return QualityReport(quantization, greedy_agreement(ref_tokens, q_tokens), ref_ppl, q_ppl)
+    label = quantization if kv_cache_dtype == "auto" else f"{quantization}, KV cache {kv_cache_dtype}"
+    return QualityReport(label, greedy_agreement(ref_tokens, q_tokens), ref_ppl, q_ppl)
 
 
 def format_report(report: QualityReport) -> str:
@@ -135,7 +138,9 @@ def add_quality_parser(subparsers: Any) -> None:
         "quality",
         help="a quantized model against the unquantized one: greedy agreement and perplexity",
         description="Greedy agreement (20 prompts x 64 tokens, up to the first divergence and overall) and "
-        "perplexity on a fixed English text, for the model with and without --quantization (default int8).",
+        "perplexity on a fixed English text, for the model with and without --quantization (default int8). "
+        "--kv-cache-dtype applies to the quantized engine (the reference keeps auto): int8 measures "
+        "int8 weights with an int8 KV cache.",
     )
     add_engine_args(parser)
     parser.set_defaults(quantization="int8")
@@ -151,6 +156,7 @@ def cmd_quality(args: Any) -> None:
     quantization = kwargs.pop("quantization")
     if quantization is None:
         raise ValueError("bench quality compares a quantized model with the unquantized one: give --quantization.")
-    report = run_quality(args.model, quantization, args.num_prompts, args.max_tokens, **kwargs)
-    print(f"\n{quantization} against the unquantized model ({args.model or 'the embedded default model'}):")
+    kv_cache_dtype = kwargs.pop("kv_cache_dtype", "auto")
+    report = run_quality(args.model, quantization, args.num_prompts, args.max_tokens, kv_cache_dtype, **kwargs)
+    print(f"\n{report.quantization} against the unquantized model ({args.model or 'the embedded default model'}):")
     print(format_report(report))

@@ -1,6 +1,7 @@
-// Paged attention over a bf16 cache with AVX-512 BF16 dot products (vdpbf16ps): decode rows and
-// prompt chunks (a cached prefix included) in one kernel. The fast path of paged_decode.h on CPUs that
-// have the instructions; block size 16, head_dim 32, 64 or 128.
+// Paged attention over a bf16 cache with AVX-512 BF16 dot products (vdpbf16ps), or an int8 cache with
+// AVX-512 VNNI int16 ones (vpdpwssd): decode rows and prompt chunks (a cached prefix included) in one
+// kernel. The fast path of paged_decode.h on CPUs that have the instructions; block size 16, head_dim
+// 32, 64 or 128.
 //
 // The cache blocks hold keys and values in the order the dot products want them (the pair layout,
 // see write_rows), written so once per token, so the kernel reads its operands straight from the
@@ -33,9 +34,6 @@ constexpr int kScoreRows = 12;       // rows whose scores are summed together, i
 constexpr int kValueAccumulators = 24;  // value pass: rows x (head_dim / 16) vectors in registers
 constexpr int64_t kAheadBlocks = 2;  // blocks prefetched ahead (blocks may lie anywhere in the pool)
 
-// Bytes of one kv head's share of a block half: 16 tokens x head_dim (16 C) bf16.
-template <int C>
-constexpr int64_t chunk_bytes() { return kBlock * 16 * C * 2; }
 
 // Independent sums per row so enough dot products are in flight (latency ~6 cycles).
 constexpr int unroll_for(int rows) { return rows >= 8 ? 1 : rows >= 4 ? 2 : 4; }
@@ -61,6 +59,28 @@ inline __mmask16 first_lanes(int64_t n) {  // lanes [0, n) of 16
 // [2, num_blocks, 16, Hkv, D] and only the order within a block differs (attention/pair_layout.py
 // converts, in PyTorch). In bf16 units within a head's chunk: k[t][d] at (d / 2) * 32 + 2 * t + d % 2,
 // v[t][d] at (t / 2) * 2 * D + 2 * d + t % 2.
+//
+// An int8 cache (kv_cache_dtype "int8") holds the same order in bytes, each head's chunk followed by
+// its 16 tokens' float32 scales (max |x| / 127 of the token's row of that head): 16 * (D + 4) bytes,
+// the [16][D + 4] of a cache tensor [2, num_blocks, 16, Hkv, D + 4]. Half the bytes of bf16 for the
+// decode rows to stream. The kernel widens each 32-byte pair row to int16 pairs (one instruction,
+// exact) and takes int32 dot products with queries and probabilities rounded to int16 (one scale per
+// row: finer than bf16's 8 bits), then applies the scales once per score and per output.
+
+template <typename Cache, int C>  // elements of one kv head's share of a block half
+constexpr int64_t chunk_elems() { return kBlock * 16 * C + (std::is_same_v<Cache, int8_t> ? kBlock * 4 : 0); }
+
+template <typename Cache, int C>
+constexpr int64_t chunk_bytes() { return chunk_elems<Cache, C>() * static_cast<int64_t>(sizeof(Cache)); }
+
+// A chunk's 16 float32 scales, after its 16 * D values (int8 caches only).
+template <int C>
+inline const float* scales_of(const int8_t* chunk) { return reinterpret_cast<const float*>(chunk + kBlock * 16 * C); }
+
+// The 32 int8 at p (16 pairs: a pair row of keys or 16 columns of a value pair row) as 16 int16 pairs.
+inline __m512i widen_pairs(const int8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 inline __m512 load16(const at::BFloat16* x) {  // bf16 -> float32: the bits in the high half
@@ -104,6 +124,49 @@ inline void write_rows(const T* k, const T* v, int64_t row_stride, int64_t rows,
   });
 }
 
+// q[0, D) <- x rounded to multiples of max |x| / 127 (to nearest even); returns that scale (0 for a zero row).
+template <typename T>
+inline float quantize_row(const T* x, int64_t head_dim, int8_t* q) {
+  __m512 top = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 16) top = _mm512_max_ps(top, _mm512_abs_ps(load16(x + d)));
+  const float absmax = _mm512_reduce_max_ps(top);
+  const __m512 inv = _mm512_set1_ps(absmax > 0.0f ? 127.0f / absmax : 0.0f);
+  for (int64_t d = 0; d < head_dim; d += 16)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + d),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(load16(x + d), inv))));
+  return absmax / 127.0f;
+}
+
+// write_rows for an int8 cache: each row of each head quantized with its own scale, the bytes in the
+// pair order. As there, rows split across the threads never write the same bytes.
+template <typename T>
+inline void write_rows(const T* k, const T* v, int64_t row_stride, int64_t rows, const int64_t* slots,
+                       int8_t* k_cache, int8_t* v_cache, int64_t num_kv_heads, int64_t head_dim) {
+  const int64_t head_chunk = kBlock * (head_dim + 4);
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    alignas(64) int8_t kq[128], vq[128];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t block = slots[i] / kBlock, t = slots[i] % kBlock;
+      const __mmask64 half = t % 2 ? 0xAAAAAAAAAAAAAAAAull : 0x5555555555555555ull;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        int8_t* kc = k_cache + (block * num_kv_heads + h) * head_chunk;
+        int8_t* vc = v_cache + (block * num_kv_heads + h) * head_chunk;
+        const float k_scale = quantize_row(k + i * row_stride + h * head_dim, head_dim, kq);
+        const float v_scale = quantize_row(v + i * row_stride + h * head_dim, head_dim, vq);
+        for (int64_t j = 0; j < head_dim / 2; ++j) std::memcpy(kc + j * 32 + 2 * t, kq + 2 * j, 2);  // pair j, token t
+        int8_t* value_pairs = vc + (t / 2) * 2 * head_dim;  // v[d] to byte 2 d + t % 2
+        for (int64_t d = 0; d < head_dim; d += 32) {
+          __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vq + d)));
+          if (t % 2) w = _mm512_slli_epi16(w, 8);
+          _mm512_mask_storeu_epi8(value_pairs + 2 * d, half, w);
+        }
+        reinterpret_cast<float*>(kc + kBlock * head_dim)[t] = k_scale;
+        reinterpret_cast<float*>(vc + kBlock * head_dim)[t] = v_scale;
+      }
+    }
+  });
+}
+
 // ------------------------------------------------------------------------------- the softmax
 // p[0, pairs) <- exp(s[t] - max(s)) for t < n as bf16 pairs, zeros past n; returns 1 / their
 // float32 sum (of the values before rounding, as softmax_row).
@@ -122,10 +185,39 @@ inline float softmax_to_bf16(const float* s, int64_t n, uint32_t* p, int64_t pai
   return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
+// An int8 cache's softmax: s[t] <- exp(s[t] - max(s)) * weight[t] for t < n (weight: the value
+// scales), then p[0, pairs) <- those as int16 pairs in steps of their max / kProbMax, zeros past n.
+// Returns the step over the float32 sum of exp(s[t] - max(s)) (taken before the weights).
+constexpr float kProbMax = 16383.0f;    // 2^14 - 1: see kFlushPairs
+constexpr int64_t kFlushPairs = 256;  // int32 sums over 512 keys at most: 512 * 16383 * 127 < 2^31
+inline float softmax_to_int16(float* s, int64_t n, const float* weight, uint32_t* p, int64_t pairs) {
+  __m512 lane_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < n; t += 16) lane_max = _mm512_max_ps(lane_max, _mm512_mask_loadu_ps(lane_max, first_lanes(n - t), s + t));
+  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(lane_max));
+  __m512 sum = _mm512_setzero_ps(), top = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 m = first_lanes(n - t);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), max)));
+    sum = _mm512_add_ps(sum, e);
+    const __m512 weighted = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(m, weight + t));
+    top = _mm512_max_ps(top, weighted);
+    _mm512_mask_storeu_ps(s + t, m, weighted);
+  }
+  const float largest = _mm512_reduce_max_ps(top);
+  const __m512 inv_step = _mm512_set1_ps(largest > 0.0f ? kProbMax / largest : 0.0f);
+  for (int64_t t = 0; t < 2 * pairs; t += 32) {
+    const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(first_lanes(n - t), s + t), inv_step));
+    const __m512i hi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(first_lanes(n - t - 16), s + t + 16), inv_step));
+    _mm512_storeu_si512(p + t / 2, _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)),
+                                                      _mm512_cvtepi32_epi16(hi), 1));
+  }
+  return largest / kProbMax / _mm512_reduce_add_ps(sum);
+}
+
 // ------------------------------------------------------------------------------- the dot products
-// s[r][0, 16) = q[r] . k[t] for the 16 keys of one block; q: [R][D/2] bf16 pairs.
+// s[r][0, 16) = q[r] . k[t] for the 16 keys of one block (kt: the head's chunk); q: [R][D/2] bf16 pairs.
 template <int R, int C>
-inline void block_scores(const uint32_t* q, const uint32_t* kt, float* s, int64_t s_stride) {
+inline void block_scores(const uint32_t* q, const at::BFloat16* kt, float* s, int64_t s_stride, const float*) {
   constexpr int U = unroll_for(R), kPairs = 8 * C;
   __m512 acc[U][R];
   for (int u = 0; u < U; ++u)
@@ -134,7 +226,7 @@ inline void block_scores(const uint32_t* q, const uint32_t* kt, float* s, int64_
   for (int i = 0; i < kPairs; i += U)
     #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) {
-      const __m512bh k = (__m512bh)_mm512_loadu_si512(kt + (i + u) * 16);
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(kt + (i + u) * 32);
       #pragma GCC unroll 12
       for (int r = 0; r < R; ++r)
         acc[u][r] = _mm512_dpbf16_ps(acc[u][r], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * kPairs + i + u])), k);
@@ -145,11 +237,36 @@ inline void block_scores(const uint32_t* q, const uint32_t* kt, float* s, int64_
   }
 }
 
+// The same over an int8 chunk: q: [R][D/2] int16 pairs, row r in steps of q_step[r]; the int32 sums
+// scaled by q_step[r] times each key's scale.
+template <int R, int C>
+inline void block_scores(const uint32_t* q, const int8_t* kt, float* s, int64_t s_stride, const float* q_step) {
+  constexpr int U = unroll_for(R), kPairs = 8 * C;
+  __m512i acc[U][R];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_si512();
+  #pragma GCC unroll 4
+  for (int i = 0; i < kPairs; i += U)
+    #pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const __m512i k = widen_pairs(kt + (i + u) * 32);
+      #pragma GCC unroll 12
+      for (int r = 0; r < R; ++r)
+        acc[u][r] = _mm512_dpwssd_epi32(acc[u][r], k, _mm512_set1_epi32(static_cast<int>(q[r * kPairs + i + u])));
+    }
+  const __m512 k_scale = _mm512_loadu_ps(scales_of<C>(kt));
+  for (int r = 0; r < R; ++r) {
+    for (int u = 1; u < U; ++u) acc[0][r] = _mm512_add_epi32(acc[0][r], acc[u][r]);
+    const __m512 scale = _mm512_mul_ps(k_scale, _mm512_set1_ps(q_step[r]));
+    _mm512_storeu_ps(s + r * s_stride, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[0][r]), scale));
+  }
+}
+
 // out[r] = scale[r] * sum_s (p[r][2s] v[2s] + p[r][2s+1] v[2s+1]) over the first `keys` values, read
 // from the blocks (8 pairs each). With `keys` odd, the last pair's second value lies past every row's
 // context, in a slot that may never have been written: it is zeroed, as its probability is.
 template <int R, int C>
-inline void weighted_values(const uint32_t* p, int64_t p_stride, const uint32_t* const* v_blocks, int64_t keys,
+inline void weighted_values(const uint32_t* p, int64_t p_stride, const at::BFloat16* const* v_blocks, int64_t keys,
                             const float* scale, float* out, int64_t out_stride) {
   constexpr int64_t kPairsPerBlock = kBlock / 2;
   __m512 acc[R][C];
@@ -158,11 +275,11 @@ inline void weighted_values(const uint32_t* p, int64_t p_stride, const uint32_t*
   const auto pair = [&](int64_t s, __m512i keep) {
     const int64_t j = s / kPairsPerBlock;
     if (s % kPairsPerBlock == 0 && j + kAheadBlocks < (keys + kBlock - 1) / kBlock)
-      fetch(v_blocks[j + kAheadBlocks], chunk_bytes<C>());
-    const uint32_t* vp = v_blocks[j] + (s % kPairsPerBlock) * C * 16;
+      fetch(v_blocks[j + kAheadBlocks], chunk_bytes<at::BFloat16, C>());
+    const at::BFloat16* vp = v_blocks[j] + (s % kPairsPerBlock) * C * 32;
     __m512bh v[C];
     #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_and_si512(_mm512_loadu_si512(vp + c * 16), keep);
+    for (int c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_and_si512(_mm512_loadu_si512(vp + c * 32), keep);
     #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[r * p_stride + s]));
@@ -176,6 +293,44 @@ inline void weighted_values(const uint32_t* p, int64_t p_stride, const uint32_t*
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
       _mm512_storeu_ps(out + r * out_stride + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(scale[r])));
+}
+
+// The same over int8 chunks: p: int16 pairs, the pairs past every row's context zero (an unwritten
+// int8 value is finite, so needs no mask); out[r] = scale[r] * the int32 sums, which move to float32
+// every kFlushPairs pairs, before they could overflow.
+template <int R, int C>
+inline void weighted_values(const uint32_t* p, int64_t p_stride, const int8_t* const* v_blocks, int64_t keys,
+                            const float* scale, float* out, int64_t out_stride) {
+  constexpr int64_t kPairsPerBlock = kBlock / 2;
+  __m512i acc[R][C];
+  __m512 total[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512(), total[r][c] = _mm512_setzero_ps();
+  const auto flush = [&] {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c)
+        total[r][c] = _mm512_add_ps(total[r][c], _mm512_cvtepi32_ps(acc[r][c])), acc[r][c] = _mm512_setzero_si512();
+  };
+  const int64_t pairs = (keys + 1) / 2, blocks = (keys + kBlock - 1) / kBlock;
+  for (int64_t s = 0; s < pairs; ++s) {
+    const int64_t j = s / kPairsPerBlock;
+    if (s % kPairsPerBlock == 0 && j + kAheadBlocks < blocks) fetch(v_blocks[j + kAheadBlocks], chunk_bytes<int8_t, C>());
+    if (s % kFlushPairs == 0 && s > 0) flush();
+    const int8_t* vp = v_blocks[j] + (s % kPairsPerBlock) * C * 32;
+    __m512i v[C];
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) v[c] = widen_pairs(vp + c * 32);
+    #pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512i pr = _mm512_set1_epi32(static_cast<int>(p[r * p_stride + s]));
+      #pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpwssd_epi32(acc[r][c], pr, v[c]);
+    }
+  }
+  flush();
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(out + r * out_stride + 16 * c, _mm512_mul_ps(total[r][c], _mm512_set1_ps(scale[r])));
 }
 
 // Calls f(integral_constant<int, n>) for n in [1, kMax]: the row count sizes the register arrays.
@@ -201,30 +356,49 @@ inline bool with_chunks(int64_t head_dim, F&& f) {
 // Per-thread buffers of attend_head, reused from item to item.
 struct Scratch {
   std::vector<uint32_t> qb, p;  // rounded queries, probabilities: bf16 pairs
-  std::vector<float> s, inv_sum;
+  std::vector<float> s, inv_sum, q_step, v_scale;  // q_step, v_scale: an int8 cache's query steps, value scales
 };
 
 // One kv head's share of an item, read from its context's blocks (k_blocks, v_blocks: the head's
 // chunk of each block half, `padded` keys in all): `rows` query rows (q_rows, written to out_rows),
 // row r seeing the first row_len[r] keys, nondecreasing in r.
-template <int C>
+template <int C, typename Cache>
 inline void attend_head(const float* const* q_rows, float* const* out_rows, const int64_t* row_len, int64_t rows,
-                        const uint32_t* const* k_blocks, const uint32_t* const* v_blocks, int64_t padded, float scale,
+                        const Cache* const* k_blocks, const Cache* const* v_blocks, int64_t padded, float scale,
                         Scratch& w) {
-  constexpr int64_t D = 16 * C, kPairs = D / 2, kChunkBytes = chunk_bytes<C>();
-  constexpr int kValueRows = kValueAccumulators / C;
+  constexpr bool kInt8 = std::is_same_v<Cache, int8_t>;
+  constexpr int64_t D = 16 * C, kPairs = D / 2, kChunkBytes = chunk_bytes<Cache, C>();
+  // int8: int32 sums and their float32 totals both in registers
+  constexpr int kValueRows = kValueAccumulators / C / (kInt8 ? 2 : 1);
   const int64_t num_blocks = padded / kBlock;
   const int64_t p_stride = (padded + 31) / 32 * 16;  // pairs per probability row, whole vectors
   w.qb.resize(rows * kPairs);
+  w.q_step.resize(rows);
   w.s.resize(rows * padded);
   w.p.resize(rows * p_stride);
   w.inv_sum.resize(rows);
-  for (int64_t r = 0; r < rows; ++r)  // queries times scale, rounded to bf16 pairs
-    for (int64_t d = 0; d < D; d += 32) {
-      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(q_rows[r] + d), _mm512_set1_ps(scale));
-      const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(q_rows[r] + d + 16), _mm512_set1_ps(scale));
-      _mm512_storeu_si512(w.qb.data() + r * kPairs + d / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  for (int64_t r = 0; r < rows; ++r) {  // queries times scale, rounded to bf16 pairs (int16 pairs, one step per row)
+    const __m512 mult = _mm512_set1_ps(scale);
+    if constexpr (kInt8) {
+      __m512 top = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(q_rows[r] + d)));
+      const float largest = _mm512_reduce_max_ps(top) * scale;
+      w.q_step[r] = largest / 32767.0f;
+      const __m512 inv_step = _mm512_set1_ps(largest > 0.0f ? 32767.0f / largest : 0.0f);
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(q_rows[r] + d), mult), inv_step));
+        const __m512i hi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(q_rows[r] + d + 16), mult), inv_step));
+        _mm512_storeu_si512(w.qb.data() + r * kPairs + d / 2,
+                            _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtsepi32_epi16(lo)), _mm512_cvtsepi32_epi16(hi), 1));
+      }
+    } else {
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(q_rows[r] + d), mult);
+        const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(q_rows[r] + d + 16), mult);
+        _mm512_storeu_si512(w.qb.data() + r * kPairs + d / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
     }
+  }
   // Scores, kScoreRows rows at a time over the blocks the last of them sees (rows see more keys in
   // order); blocks lie anywhere in the pool, so each is requested a few blocks ahead.
   for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
@@ -234,14 +408,24 @@ inline void attend_head(const float* const* q_rows, float* const* out_rows, cons
       for (int64_t j = 0; j < std::min(kAheadBlocks, blocks); ++j) fetch(k_blocks[j], kChunkBytes);
       for (int64_t j = 0; j < blocks; ++j) {
         if (j + kAheadBlocks < blocks) fetch(k_blocks[j + kAheadBlocks], kChunkBytes);
-        block_scores<nr(), C>(w.qb.data() + r0 * kPairs, k_blocks[j], w.s.data() + r0 * padded + j * kBlock, padded);
+        block_scores<nr(), C>(w.qb.data() + r0 * kPairs, k_blocks[j], w.s.data() + r0 * padded + j * kBlock, padded,
+                              w.q_step.data() + r0);
       }
     });
   }
   for (int64_t j = 0; j < std::min(kAheadBlocks, num_blocks); ++j) fetch(v_blocks[j], kChunkBytes);
-  // Softmax over each row's context; probabilities rounded to bf16, zeros past the context.
-  for (int64_t r = 0; r < rows; ++r)
-    w.inv_sum[r] = softmax_to_bf16(w.s.data() + r * padded, row_len[r], w.p.data() + r * p_stride, p_stride);
+  // Softmax over each row's context; probabilities rounded to bf16 (int8: weighted by the value
+  // scales, rounded to int16 steps), zeros past the context.
+  if constexpr (kInt8) {
+    w.v_scale.resize(padded);
+    for (int64_t j = 0; j < num_blocks; ++j) std::memcpy(&w.v_scale[j * kBlock], scales_of<C>(v_blocks[j]), 64);
+    for (int64_t r = 0; r < rows; ++r)
+      w.inv_sum[r] = softmax_to_int16(w.s.data() + r * padded, row_len[r], w.v_scale.data(),
+                                      w.p.data() + r * p_stride, p_stride);
+  } else {
+    for (int64_t r = 0; r < rows; ++r)
+      w.inv_sum[r] = softmax_to_bf16(w.s.data() + r * padded, row_len[r], w.p.data() + r * p_stride, p_stride);
+  }
   // Weighted values, kValueRows rows at a time over the keys the last of them sees.
   for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
     const int n_rows = static_cast<int>(std::min<int64_t>(kValueRows, rows - r0));
@@ -257,16 +441,16 @@ inline void attend_head(const float* const* q_rows, float* const* out_rows, cons
 // q: [tokens, num_heads, D] float32, token rows q_stride floats apart (heads contiguous within a row:
 // a view of a fused QKV output reads in place), the rows of sequence i at [query_start[i], query_start[i + 1]),
 // the last ones of its context of seq_lens[i] tokens (each attends to its position and before); no
-// query_start: one row per sequence. The cache halves: [num_blocks, Hkv, 16 * D] bf16 in the pair
-// layout (see write_rows). out: like q. A sequence with no context gets zeros.
+// query_start: one row per sequence. The cache halves: [num_blocks, Hkv, chunk_elems] bf16 or int8 in
+// the pair layout (see write_rows). out: like q. A sequence with no context gets zeros.
 //
 // A work item is a tile of a sequence's query tokens and all its kv heads (one table walk for all);
 // with too few tiles to keep the threads busy, one kv head.
-template <int C>
-void attend(const float* q, int64_t q_stride, const int32_t* query_start, const at::BFloat16* k_cache,
-            const at::BFloat16* v_cache, const int32_t* block_tables, const int32_t* seq_lens, float* out,
+template <int C, typename Cache>
+void attend(const float* q, int64_t q_stride, const int32_t* query_start, const Cache* k_cache,
+            const Cache* v_cache, const int32_t* block_tables, const int32_t* seq_lens, float* out,
             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t max_blocks, float scale) {
-  constexpr int64_t D = 16 * C, kChunk = kBlock * D;  // bf16 of one kv head in a block half
+  constexpr int64_t D = 16 * C, kChunk = chunk_elems<Cache, C>();  // one kv head in a block half
   const int64_t group = num_heads / num_kv_heads;
   const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group);
   const int64_t block_stride = num_kv_heads * kChunk;
@@ -292,7 +476,7 @@ void attend(const float* q, int64_t q_stride, const int32_t* query_start, const 
   }
   const std::vector<std::vector<int64_t>> plan = balance(costs);
   at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<const uint32_t*> k_blocks, v_blocks;  // [heads][num_blocks]: each head's chunk of each block
+    std::vector<const Cache*> k_blocks, v_blocks;  // [heads][num_blocks]: each head's chunk of each block
     std::vector<int64_t> row_len;
     std::vector<const float*> q_rows;
     std::vector<float*> out_rows;
@@ -318,8 +502,8 @@ void attend(const float* q, int64_t q_stride, const int32_t* query_start, const 
         for (int64_t h = 0; h < it.heads; ++h)
           for (int64_t j = 0; j < num_blocks; ++j) {
             const int64_t offset = table[j] * block_stride + (it.kvh0 + h) * kChunk;
-            k_blocks[h * num_blocks + j] = reinterpret_cast<const uint32_t*>(k_cache + offset);
-            v_blocks[h * num_blocks + j] = reinterpret_cast<const uint32_t*>(v_cache + offset);
+            k_blocks[h * num_blocks + j] = k_cache + offset;
+            v_blocks[h * num_blocks + j] = v_cache + offset;
           }
         row_len.resize(rows);
         q_rows.resize(rows);
@@ -331,7 +515,7 @@ void attend(const float* q, int64_t q_stride, const int32_t* query_start, const 
             q_rows[r] = q + index / num_heads * q_stride + index % num_heads * D;
             out_rows[r] = out + row_of(it.kvh0 + h, r) * D;
           }
-          attend_head<C>(q_rows.data(), out_rows.data(), row_len.data(), rows, k_blocks.data() + h * num_blocks,
+          attend_head<C, Cache>(q_rows.data(), out_rows.data(), row_len.data(), rows, k_blocks.data() + h * num_blocks,
                          v_blocks.data() + h * num_blocks, num_blocks * kBlock, scale, scratch);
         }
       }

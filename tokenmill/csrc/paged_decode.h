@@ -240,7 +240,7 @@ inline bool start_item(const float* q_item, float scale, int64_t num_heads, int6
 
 }  // namespace tokenmill::attn
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #include "paged_attention_avx512.h"  // uses balance above
 #define TM_ATTN_AVX512 1
 #endif
@@ -333,19 +333,41 @@ inline void decode(const float* q, const T* k_cache, const T* v_cache, const int
   });
 }
 
-// Whether paged_attention's bf16 dot-product kernel serves this cache: a bf16 cache of 16-token
-// blocks and head_dim 32, 64 or 128, on a build for AVX-512 BF16. Such a cache holds its blocks in
-// the kernel's pair layout (avx512::write_rows): write it with write_kv, read it with paged_attention.
+// The head_dim of a [2, num_blocks, block_size, Hkv, W] cache: W, less an int8 cache's 4 scale bytes per row.
+inline int64_t cache_head_dim(const torch::Tensor& kv_cache) {
+  return kv_cache.size(4) - (kv_cache.scalar_type() == at::kChar ? 4 : 0);
+}
+
+// Whether paged_attention's bf16 dot-product kernel serves this cache: a bf16 or int8 cache of
+// 16-token blocks and head_dim 32, 64 or 128, on a build for AVX-512 BF16. Such a cache holds its
+// blocks in the kernel's pair layout (avx512::write_rows): write it with write_kv, read it with
+// paged_attention. Only this kernel reads an int8 cache.
 inline bool avx512_supports(const torch::Tensor& kv_cache) {
 #ifdef TM_ATTN_AVX512
   if (kv_cache.dim() != 5) return false;
-  const int64_t head_dim = kv_cache.size(4);
-  return kv_cache.scalar_type() == at::kBFloat16 && kv_cache.size(2) == avx512::kBlock &&
-         (head_dim == 32 || head_dim == 64 || head_dim == 128);
+  const int64_t head_dim = cache_head_dim(kv_cache);
+  return (kv_cache.scalar_type() == at::kBFloat16 || kv_cache.scalar_type() == at::kChar) &&
+         kv_cache.size(2) == avx512::kBlock && (head_dim == 32 || head_dim == 64 || head_dim == 128);
 #else
   return false;
 #endif
 }
+
+#ifdef TM_ATTN_AVX512
+// Rows' k and v ([Hkv][D] each, row_stride apart) into their slots of a cache that avx512_supports.
+template <typename T>
+inline void write_pair_rows(const T* k, const T* v, int64_t row_stride, int64_t rows, const int64_t* slots,
+                            const torch::Tensor& kv_cache) {
+  const int64_t num_kv_heads = kv_cache.size(3), head_dim = cache_head_dim(kv_cache), half = kv_cache.numel() / 2;
+  if (kv_cache.scalar_type() == at::kChar) {
+    int8_t* cache = kv_cache.data_ptr<int8_t>();
+    avx512::write_rows(k, v, row_stride, rows, slots, cache, cache + half, num_kv_heads, head_dim);
+  } else {
+    at::BFloat16* cache = kv_cache.data_ptr<at::BFloat16>();
+    avx512::write_rows(k, v, row_stride, rows, slots, cache, cache + half, num_kv_heads, head_dim);
+  }
+}
+#endif
 
 // Refuses a slot outside the cache's num_slots before anything is written.
 inline void check_slots(const int64_t* slots, int64_t n, int64_t num_slots) {
@@ -354,12 +376,12 @@ inline void check_slots(const int64_t* slots, int64_t n, int64_t num_slots) {
 }
 
 // This step's k, v ([tokens, Hkv, D], float32 or bf16) into their slots of a cache that
-// avx512_supports, in its pair layout, rounded to bf16. slot_mapping: [tokens] int64.
+// avx512_supports, in its pair layout, rounded to bf16 or quantized to int8. slot_mapping: [tokens] int64.
 inline void write_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& kv_cache,
                      const torch::Tensor& slot_mapping) {
   TORCH_CHECK(avx512_supports(kv_cache) && kv_cache.is_contiguous(),
-              "write_kv writes the pair layout of a contiguous bf16 cache that paged_attention serves");
-  const int64_t tokens = k.size(0), num_kv_heads = kv_cache.size(3), head_dim = kv_cache.size(4);
+              "write_kv writes the pair layout of a contiguous bf16 or int8 cache that paged_attention serves");
+  const int64_t tokens = k.size(0), num_kv_heads = kv_cache.size(3), head_dim = cache_head_dim(kv_cache);
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == num_kv_heads && k.size(2) == head_dim &&
                   k.scalar_type() == v.scalar_type(),
               "k, v: [tokens, Hkv, D] of the cache's Hkv and D, one dtype");
@@ -368,15 +390,13 @@ inline void write_kv(const torch::Tensor& k, const torch::Tensor& v, const torch
   const auto slots = slot_mapping.contiguous();
   check_slots(slots.data_ptr<int64_t>(), tokens, kv_cache.size(1) * kv_cache.size(2));
 #ifdef TM_ATTN_AVX512
-  at::BFloat16* cache = kv_cache.data_ptr<at::BFloat16>();
   // k and v are usually views of a fused QKV output: rows of [Hkv][D] a row stride apart, read in place.
   const bool rows_in_place = k.stride(2) == 1 && k.stride(1) == head_dim && v.stride(2) == 1 &&
                              v.stride(1) == head_dim && k.stride(0) == v.stride(0);
   const auto kc = rows_in_place ? k : k.contiguous(), vc = rows_in_place ? v : v.contiguous();
   const int64_t row_stride = rows_in_place ? k.stride(0) : num_kv_heads * head_dim;
   const auto run = [&](const auto* kp, const auto* vp) {
-    avx512::write_rows(kp, vp, row_stride, tokens, slots.data_ptr<int64_t>(), cache, cache + kv_cache.numel() / 2,
-                       num_kv_heads, head_dim);
+    write_pair_rows(kp, vp, row_stride, tokens, slots.data_ptr<int64_t>(), kv_cache);
   };
   if (k.scalar_type() == at::kFloat) run(kc.data_ptr<float>(), vc.data_ptr<float>());
   else if (k.scalar_type() == at::kBFloat16) run(kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>());
@@ -391,11 +411,12 @@ inline void write_kv(const torch::Tensor& k, const torch::Tensor& v, const torch
 inline torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                                      const std::optional<torch::Tensor>& query_start, double scale) {
-  TORCH_CHECK(avx512_supports(kv_cache), "paged_attention needs an AVX-512 BF16 build and a bf16 cache of ",
-              "16-token blocks with head_dim 32, 64 or 128");
-  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.is_contiguous() && q.size(2) == kv_cache.size(4) &&
+  TORCH_CHECK(avx512_supports(kv_cache), "paged_attention needs an AVX-512 BF16 build and a bf16 or int8 cache ",
+              "of 16-token blocks with head_dim 32, 64 or 128");
+  TORCH_CHECK(q.dim() == 3 && kv_cache.is_contiguous() && q.size(2) == cache_head_dim(kv_cache) &&
                   q.size(1) % kv_cache.size(3) == 0,
-              "q: [tokens, num_heads, head_dim]; kv_cache: contiguous [2, num_blocks, 16, Hkv, head_dim]");
+              "q: [tokens, num_heads, head_dim]; kv_cache: contiguous [2, num_blocks, 16, Hkv, head_dim] ",
+              "(head_dim + 4 int8 columns for an int8 cache)");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
   const auto tables = block_tables.contiguous(), lens = seq_lens.contiguous();
@@ -423,14 +444,17 @@ inline torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor
   const auto qf = rows_in_place ? q : q.to(at::kFloat).contiguous();
   auto out = torch::empty(q.sizes(), q.options().dtype(at::kFloat));
 #ifdef TM_ATTN_AVX512
-  const at::BFloat16* cache = kv_cache.data_ptr<at::BFloat16>();
   const int64_t cache_half = kv_cache.numel() / 2;
-  avx512::with_chunks(q.size(2), [&](auto c) {
-    avx512::attend<c()>(qf.data_ptr<float>(), qf.stride(0), query_start ? starts.data_ptr<int32_t>() : nullptr,
-                        cache, cache + cache_half,
-                        tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<float>(), lens.numel(),
-                        q.size(1), kv_cache.size(3), tables.size(1), static_cast<float>(scale));
-  });
+  const auto run = [&](const auto* cache) {
+    avx512::with_chunks(q.size(2), [&](auto c) {
+      avx512::attend<c()>(qf.data_ptr<float>(), qf.stride(0), query_start ? starts.data_ptr<int32_t>() : nullptr,
+                          cache, cache + cache_half, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                          out.data_ptr<float>(), lens.numel(), q.size(1), kv_cache.size(3), tables.size(1),
+                          static_cast<float>(scale));
+    });
+  };
+  if (kv_cache.scalar_type() == at::kChar) run(kv_cache.data_ptr<int8_t>());
+  else run(kv_cache.data_ptr<at::BFloat16>());
 #endif
   return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
 }
@@ -444,9 +468,9 @@ inline torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k
               "q: [num_seqs, num_heads, head_dim]; kv_cache: contiguous [2, num_blocks, block_size, Hkv, D]");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
+  if (avx512_supports(kv_cache)) return paged_attention(q, kv_cache, block_tables, seq_lens, std::nullopt, scale);
   TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0 && q.size(2) == kv_cache.size(4),
               "query heads must be a multiple of KV heads, of the same head_dim");
-  if (avx512_supports(kv_cache)) return paged_attention(q, kv_cache, block_tables, seq_lens, std::nullopt, scale);
   const auto tables = block_tables.contiguous();
   const auto lens = seq_lens.contiguous();
   const auto qf = q.to(at::kFloat).contiguous();

@@ -84,8 +84,8 @@ class FusedDecode:
         caches = [layer.self_attn.kv_cache for layer in self.model.layers]
         if any(c is None for c in caches):
             raise RuntimeError("the KV cache was not bound to the attention layers")
-        if caches[0].dtype not in (torch.float32, torch.bfloat16):
-            raise RuntimeError(f"the fused decode stack reads a float32 or bf16 KV cache, not {caches[0].dtype}")
+        if caches[0].dtype not in (torch.float32, torch.bfloat16, torch.int8):
+            raise RuntimeError(f"the fused decode stack reads a float32, bf16 or int8 KV cache, not {caches[0].dtype}")
         if self._stack is None or any(a is not b for a, b in zip(caches, self._caches)):
             self._stack = self._bind(caches)
         cos, sin = rotary

@@ -24,11 +24,17 @@ from tokenmill.worker.input_batch import RunnerRequestState, StepBatch, build_st
 _SEED_STRIDE = 1_000_003
 
 
+def cache_row_width(head_dim: int, kv_cache_dtype: str) -> int:
+    """Elements per (token, kv head) row of the cache: an int8 row also holds its float32 scale."""
+    return head_dim + 4 if kv_cache_dtype == "int8" else head_dim
+
+
 def kv_cache_bytes_per_block(config: EngineConfig) -> int:
     hf_config = config.model.hf_config
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     itemsize = torch.empty(0, dtype=getattr(torch, config.cache.kv_cache_dtype)).element_size()
-    per_token = 2 * hf_config.num_hidden_layers * num_kv_heads * head_dim_of(hf_config) * itemsize
+    width = cache_row_width(head_dim_of(hf_config), config.cache.kv_cache_dtype)
+    per_token = 2 * hf_config.num_hidden_layers * num_kv_heads * width * itemsize
     return per_token * config.cache.block_size
 
 
@@ -41,12 +47,25 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.backend = get_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, folder, self.backend, config.device)
+        if config.cache.kv_cache_dtype == "int8":
+            self._check_int8_cache()
         self.fused_decode_off_reason = self._enable_fused_decode()
         self.sampler = Sampler()
         self.states: dict[str, RunnerRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CudaGraphRunner | None = None  # set by capture_cuda_graphs
         self.cuda_graph_capture_s: float | None = None
+
+    def _check_int8_cache(self) -> None:
+        """Only the AVX-512 BF16 attention kernel reads an int8 cache: refuse it up front elsewhere."""
+        attn = self.model.layers[0].self_attn
+        serves = getattr(self.backend, "serves_int8_cache", None)
+        if serves is None or not serves(self.block_size, attn.num_kv_heads, attn.head_dim):
+            raise ValueError(
+                "kv_cache_dtype 'int8' needs the 'cpu' attention backend's AVX-512 BF16 kernel (a CPU with "
+                f"avx512_bf16), block_size 16 and head_dim 32, 64 or 128 (here {self.block_size} and "
+                f"{attn.head_dim}, backend {self.backend.name}); use 'auto'."
+            )
 
     def _enable_fused_decode(self) -> str | None:
         """Decode steps run every layer in one C++ call (models/fused_decode.py) unless enforce_eager
@@ -59,17 +78,17 @@ class ModelRunner:
         return reason
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One [2, num_blocks, block_size, Hkv, D] tensor per layer, bound to its attention module
-        (the backend decides the order within a block: see attention/pair_layout.py). Zeroed: padded
-        context slots are masked, but must never hold NaN (0 * NaN = NaN)."""
+        """One [2, num_blocks, block_size, Hkv, D] tensor per layer (D + 4 columns in int8: the scales),
+        bound to its attention module (the backend decides the order within a block: see
+        attention/pair_layout.py). Zeroed: padded context slots are masked, but must never hold NaN
+        (0 * NaN = NaN)."""
         dtype = getattr(torch, self.config.cache.kv_cache_dtype)
         self.kv_caches = []
         self.cuda_graphs = None  # captured graphs read the old cache in place
         for layer in self.model.layers:
             attn = layer.self_attn
-            cache = torch.zeros(
-                2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=self.device
-            )
+            width = cache_row_width(attn.head_dim, self.config.cache.kv_cache_dtype)
+            cache = torch.zeros(2, num_blocks, self.block_size, attn.num_kv_heads, width, dtype=dtype, device=self.device)
             attn.kv_cache = cache
             self.kv_caches.append(cache)
 

@@ -54,9 +54,11 @@ class DecodeStack {
 
   void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, PackedLinear qkv, PackedLinear o,
                  PackedLinear gate_up, PackedLinear down, at::Tensor kv_cache) {
-    TORCH_CHECK((kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16) &&
+    TORCH_CHECK((kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16 ||
+                 attn::avx512_supports(kv_cache)) &&
                 kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(3) == num_kv_heads_ &&
-                kv_cache.size(4) == head_dim_, "kv_cache: contiguous [2, num_blocks, block_size, Hkv, D] float32 or bf16");
+                attn::cache_head_dim(kv_cache) == head_dim_,
+                "kv_cache: contiguous [2, num_blocks, block_size, Hkv, D] float32 or bf16 (or int8 where paged_attention serves it)");
     TORCH_CHECK(std::get<3>(qkv) == (num_heads_ + 2 * num_kv_heads_) * head_dim_, "qkv width");
     layers_.push_back({std::move(input_norm), std::move(post_attention_norm), std::move(qkv), std::move(o),
                        std::move(gate_up), std::move(down), std::move(kv_cache)});
@@ -105,9 +107,7 @@ class DecodeStack {
 #ifdef TM_ATTN_AVX512
     if (attn::avx512_supports(kv_cache)) {
       const float* k = qkv.data_ptr<float>() + q_size;
-      at::BFloat16* cache = kv_cache.data_ptr<at::BFloat16>();
-      attn::avx512::write_rows(k, k + num_kv_heads_ * head_dim_, qkv.stride(0), qkv.size(0), slots, cache,
-                               cache + kv_cache.numel() / 2, num_kv_heads_, head_dim_);
+      attn::write_pair_rows(k, k + num_kv_heads_ * head_dim_, qkv.stride(0), qkv.size(0), slots, kv_cache);
       return;
     }
 #endif
