@@ -117,7 +117,8 @@ def _tiny_llm(model: Path, **kwargs: object) -> LLM:
 @pytest.mark.parametrize("static_batching", [False, True], ids=["continuous", "static"])
 def test_run_throughput_counts_every_output_token(llama_model: Path, static_batching: bool) -> None:
     requests = make_workload("random-cpu", 512, num_requests=5, max_prompt_len=96, max_output_len=12)
-    result = run_throughput(_tiny_llm(llama_model), requests, static_batching, batch_size=2)
+    llm = _tiny_llm(llama_model)
+    result = run_throughput(llm, requests, static_batching, batch_size=2)
     assert result.num_requests == 5
     assert result.output_tokens == sum(r.output_len for r in requests)
     assert result.prompt_tokens == sum(len(r.prompt_token_ids) for r in requests)
@@ -125,6 +126,10 @@ def test_run_throughput_counts_every_output_token(llama_model: Path, static_batc
     assert result.total_tok_s == pytest.approx((result.prompt_tokens + result.output_tokens) / result.elapsed_s)
     assert 0.0 < result.kv_slot_utilization <= 1.0
     assert result.num_preemptions == 0
+    # Each prompt fits one step, which samples its first token; every later token comes from a
+    # decode-only step (so does all but the first of the warm-up's 4).
+    assert llm.engine.decode_stats.tokens == sum(r.output_len - 1 for r in requests) + 3
+    assert result.decode_tok_s > 0.0
 
 
 def test_static_batching_waits_for_each_batch_to_finish(llama_model: Path) -> None:

@@ -111,6 +111,7 @@ def format_result(result: ThroughputResult) -> str:
         ("requests/s", f"{result.requests_per_s:.2f}"),
         ("output tok/s", f"{result.output_tok_s:.1f}"),
         ("total tok/s", f"{result.total_tok_s:.1f}"),
+        ("decode tok/s (decode-only steps)", f"{result.decode_tok_s:.1f}"),
         ("KV-slot utilisation", f"{util:.1%} (waste {1 - util:.1%})"),
         ("prefix cache hit rate", f"{result.prefix_cache_hit_rate:.1%}"),
         ("preemptions", f"{result.num_preemptions}"),

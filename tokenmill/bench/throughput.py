@@ -31,6 +31,9 @@ class ThroughputResult:
     requests_per_s: float
     output_tok_s: float
     total_tok_s: float  # (prompt + output) tokens / elapsed
+    # Tokens sampled by steps that ran only decode rows / those steps' wall time: the decode rate
+    # without the prefills (0 when no step was decode only).
+    decode_tok_s: float
     kv_slot_utilization: float  # real tokens / allocated KV slots, averaged over the timed steps
     prefix_cache_hit_rate: float  # prompt tokens found in the prefix cache / prompt tokens looked up
     num_preemptions: int
@@ -52,12 +55,14 @@ class _EngineCounters:
     kv_slots_allocated: int
     prefix_queries: int
     prefix_hits: int
+    decode_tokens: int
+    decode_seconds: float
 
     @classmethod
     def read(cls, llm: LLM) -> _EngineCounters:
-        sched, cache = llm.engine.scheduler.stats, llm.engine.kv_cache.stats
+        sched, cache, decode = llm.engine.scheduler.stats, llm.engine.kv_cache.stats, llm.engine.decode_stats
         return cls(sched.num_steps, sched.num_preemptions, sched.kv_slots_used, sched.kv_slots_allocated,
-                   cache.queries, cache.hits)
+                   cache.queries, cache.hits, decode.tokens, decode.seconds)
 
     def __sub__(self, other: _EngineCounters) -> _EngineCounters:
         return _EngineCounters(*(a - b for a, b in zip(asdict(self).values(), asdict(other).values())))
@@ -118,6 +123,7 @@ def run_throughput(
         requests_per_s=len(outputs) / elapsed,
         output_tok_s=output_tokens / elapsed,
         total_tok_s=(prompt_tokens + output_tokens) / elapsed,
+        decode_tok_s=delta.decode_tokens / delta.decode_seconds if delta.decode_seconds else 0.0,
         kv_slot_utilization=_ratio(delta.kv_slots_used, delta.kv_slots_allocated),
         prefix_cache_hit_rate=_ratio(delta.prefix_hits, delta.prefix_queries),
         num_preemptions=delta.num_preemptions,

@@ -5,6 +5,8 @@ One step = schedule() -> execute(SchedulerOutput) -> update_from_output(ModelRun
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -73,6 +75,16 @@ def profile_peak_memory(runner: ModelRunner) -> tuple[int, int]:
     return total, peak + max(0, outside_torch)
 
 
+@dataclass
+class DecodeStepStats:
+    """Steps that ran only decode rows (one token per request): their wall time (schedule, model,
+    sampling, bookkeeping) and the tokens they sampled, i.e. the decode rate without the prefills."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.config = config
@@ -84,6 +96,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.num_idle_steps = 0  # consecutive steps that scheduled nothing while requests waited
         self.num_failed_steps = 0  # model steps that raised (the server treats one as fatal)
+        self.decode_stats = DecodeStepStats()
         logger.info(
             "engine ready: %d KV blocks of %d tokens (%s), dtype %s (weights %s), attention %s, fused decode %s",
             self.num_blocks, config.cache.block_size, config.cache.kv_cache_dtype, config.model.dtype,
@@ -103,6 +116,7 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineCoreOutput]:
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.num_idle_steps = self.num_idle_steps + 1 if self.has_unfinished() else 0
@@ -118,7 +132,12 @@ class EngineCore:
             self.num_failed_steps += 1
             logger.exception("model step failed; ending the %d requests in it", len(sched.num_scheduled_tokens))
             return self._fail(list(sched.num_scheduled_tokens), f"engine error during the model step: {exc!r}")
-        return self.scheduler.update_from_output(sched, runner_out)
+        outputs = self.scheduler.update_from_output(sched, runner_out)
+        if all(n == 1 for n in sched.num_scheduled_tokens.values()):
+            self.decode_stats.steps += 1
+            self.decode_stats.seconds += time.perf_counter() - start
+            self.decode_stats.tokens += len(runner_out.sampled_token_ids)
+        return outputs
 
     def _fail(self, req_ids: list[str], message: str) -> list[EngineCoreOutput]:
         for req_id in req_ids:
