@@ -1,0 +1,72 @@
+"""Decode attention alone, a bf16 against an int8 KV cache: one step's paged attention over every layer
+of the SmolLM2-135M shape (30 layers, 9 query heads on 3 kv heads of 64), contexts in blocks scattered
+through the pool as a long-running server's are. Median of 3 timings of 5 steps each, per cache dtype.
+
+Usage: .venv/bin/python bench/scripts/decode_attention.py [--shapes 1x300 8x250 32x200] [--threads 2]
+(each shape: sequences x context tokens)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from tokenmill import cpu_extensions
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
+
+
+def step_seconds(kernels: object, num_seqs: int, context: int, cache_dtype: torch.dtype) -> float:
+    gen = torch.Generator().manual_seed(0)
+    blocks_per_seq = -(-context // BLOCK)
+    num_blocks = num_seqs * blocks_per_seq + 8
+    width = HEAD_DIM + 4 if cache_dtype == torch.int8 else HEAD_DIM  # int8 rows carry their scale
+    tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * blocks_per_seq].view(num_seqs, -1).int()
+    slots = (tables.long().unsqueeze(-1) * BLOCK + torch.arange(BLOCK)).flatten()  # every slot of every table
+    caches = []
+    for _ in range(LAYERS):
+        cache = torch.zeros(2, num_blocks, BLOCK, KV_HEADS, width, dtype=cache_dtype)
+        k, v = torch.randn(2, len(slots), KV_HEADS, HEAD_DIM, generator=gen)
+        kernels.write_kv(k, v, cache, slots)  # type: ignore[attr-defined]
+        caches.append(cache)
+    lens = torch.full((num_seqs,), context, dtype=torch.int32)
+    q = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=gen)
+
+    def one_step() -> None:
+        for cache in caches:
+            kernels.paged_decode(q, cache, tables, lens, HEAD_DIM**-0.5)  # type: ignore[attr-defined]
+
+    one_step()
+    timings = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(5):
+            one_step()
+        timings.append((time.perf_counter() - start) / 5)
+    return statistics.median(timings)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["1x300", "8x250", "32x200", "32x360"])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kernels = cpu_extensions.load("paged_decode")
+    probe = torch.zeros(2, 1, BLOCK, KV_HEADS, HEAD_DIM + 4, dtype=torch.int8)
+    if kernels is None or not kernels.avx512_supports(probe):
+        raise SystemExit("an int8 KV cache needs the AVX-512 BF16 and VNNI attention kernel, not on this CPU")
+    print(f"decode attention, {LAYERS} layers, {args.threads} threads, ms per step (median of 3)")
+    print("| sequences x context | bf16 cache ms | int8 cache ms | bf16 / int8 |\n|---|---|---|---|")
+    for shape in args.shapes:
+        num_seqs, context = (int(x) for x in shape.split("x"))
+        bf16 = step_seconds(kernels, num_seqs, context, torch.bfloat16)
+        int8 = step_seconds(kernels, num_seqs, context, torch.int8)
+        print(f"| {num_seqs} x {context} | {bf16 * 1e3:.2f} | {int8 * 1e3:.2f} | {bf16 / int8:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
