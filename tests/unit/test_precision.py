@@ -152,6 +152,9 @@ def test_int8_kv_cache_holds_more_blocks_and_decodes_like_bf16(tmp_path: Path) -
                 assert all(abs(g_lp[t].logprob - w_lp[t].logprob) < 0.1 for t in g_lp.keys() & w_lp.keys())
 
 
-def test_int8_kv_cache_is_refused_where_no_kernel_reads_it(llama_model: Path) -> None:
+def test_int8_kv_cache_is_refused_where_no_kernel_reads_it(llama_model: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype 'int8' needs .* head_dim 32, 64 or 128 .*16"):
         LLM(model=str(llama_model), kv_cache_dtype="int8", num_kv_blocks=8)  # head_dim 16
+    folder = make_tiny_model(tmp_path / "qwen3", "qwen3")  # head_dim 32: only the backend is wrong
+    with pytest.raises(ValueError, match="needs the 'cpu' attention backend.*backend torch_ref"):
+        LLM(model=str(folder), kv_cache_dtype="int8", attention_backend="torch_ref", num_kv_blocks=8)
