@@ -70,6 +70,37 @@ def test_min_tokens_holds_back_stop_tokens(llm: LLM) -> None:
     assert stop_at not in out.token_ids[:5]
 
 
+def test_sampling_metadata_is_rebuilt_only_when_it_can_change(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same requests decoding in the same order reuse the last step's sampling tensors; penalties
+    (they read the outputs so far) rebuild them every step, a pending min_tokens mask until it empties."""
+    from tokenmill.sample.metadata import SamplingMetadata
+
+    calls: list[int] = []
+    real = SamplingMetadata.build
+
+    def spy(**kwargs: object) -> SamplingMetadata:
+        calls.append(1)
+        return real(**kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SamplingMetadata, "build", spy)
+    prompts = random_prompts(2, 8, 8, seed=14)
+
+    def builds(params: SamplingParams) -> int:
+        calls.clear()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+        return len(calls)
+
+    assert builds(SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)) == 1  # 6 steps, one batch
+    assert builds(SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)) == 1
+    assert builds(SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3)) == 6
+    # outputs 0, 1 and 2 mask the stop token; from 3 on the mask is empty and stays so
+    stop = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=3, stop_token_ids=[1], ignore_eos=True)
+    calls.clear()
+    llm.generate(prompts, stop, use_tqdm=False)
+    assert len(calls) >= 4
+
+
 @pytest.mark.parametrize(
     "bad",
     [

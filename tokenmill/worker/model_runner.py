@@ -51,6 +51,10 @@ class ModelRunner:
             self._check_int8_cache()
         self.fused_decode_off_reason = self._enable_fused_decode()
         self.sampler = Sampler()
+        # The last step's sampling metadata and the request states it was built for, reused while the
+        # same requests sample in the same order and nothing in it can change (see _sampling_metadata).
+        self._meta: SamplingMetadata | None = None
+        self._meta_states: list[RunnerRequestState] = []
         self.states: dict[str, RunnerRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CudaGraphRunner | None = None  # set by capture_cuda_graphs
@@ -205,16 +209,7 @@ class ModelRunner:
                 seed = state.sampling_params.seed or 0
                 # Any Python int is a valid seed: fold it into the generator's 64 bits.
                 state.generator.manual_seed((seed * _SEED_STRIDE + len(state.token_ids)) % 2**64)
-        meta = SamplingMetadata.build(
-            params=[s.sampling_params for s in states],
-            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states],
-            output_token_ids=[s.output_token_ids for s in states],
-            generators=[s.generator for s in states],
-            eos_token_ids=self.eos_token_ids,
-            vocab_size=self.vocab_size,
-            device=self.device,
-        )
-        result = self.sampler(logits, meta)
+        result = self.sampler(logits, self._sampling_metadata(states))
         sampled = result.sampled_token_ids.tolist()  # the step's one host sync for sampling
         for state, token in zip(states, sampled):
             state.token_ids.append(token)
@@ -230,6 +225,29 @@ class ModelRunner:
         )
         for i, entry in zip(rows, entries):
             output.logprobs[states[i].req_id] = entry
+
+    def _sampling_metadata(self, states: list[RunnerRequestState]) -> SamplingMetadata:
+        """The step's sampling tensors. A decode batch of the same requests in the same order reuses
+        the last step's: only penalties (the outputs so far) and a min_tokens mask (the output count)
+        change from step to step, and a mask, once empty, stays empty. Seeded rows' generators are
+        the same objects, reseeded in place each step."""
+        meta = self._meta
+        if (
+            meta is not None and meta.no_penalties and meta.no_min_tokens and len(states) == len(self._meta_states)
+            and all(a is b for a, b in zip(states, self._meta_states))
+        ):
+            return meta
+        meta = SamplingMetadata.build(
+            params=[s.sampling_params for s in states],
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            generators=[s.generator for s in states],
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        self._meta, self._meta_states = meta, states
+        return meta
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch) -> dict[str, list[TokenLogprobs | None]]:
         out: dict[str, list[TokenLogprobs | None]] = {}
