@@ -219,6 +219,7 @@ inline float softmax_to_int16(float* s, int64_t n, const float* weight, uint32_t
 
 // ------------------------------------------------------------------------------- the dot products
 // s[r][0, 16) = q[r] . k[t] for the 16 keys of one block (kt: the head's chunk); q: [R][D/2] bf16 pairs.
+// (The last parameter, the int8 overload's query steps, is unused here.)
 template <int R, int C>
 inline void block_scores(const uint32_t* q, const at::BFloat16* kt, float* s, int64_t s_stride, const float*) {
   constexpr int U = unroll_for(R), kPairs = 8 * C;
