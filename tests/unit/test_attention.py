@@ -283,7 +283,7 @@ def test_paged_attention_never_reads_unwritten_slots() -> None:
     assert torch.isfinite(got).all() and torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 4, 128), (4, 2, 32)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 64), (8, 4, 128), (4, 2, 32)])
 def test_int8_cache_quantizes_each_row_and_attends_like_its_dequantized_values(
     num_heads: int, num_kv_heads: int, head_dim: int
 ) -> None:
