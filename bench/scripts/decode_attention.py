@@ -15,6 +15,7 @@ import time
 import torch
 
 from tokenmill import cpu_extensions
+from tokenmill.attention.pair_layout import cache_row_width
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 
@@ -23,7 +24,7 @@ def step_seconds(kernels: object, num_seqs: int, context: int, cache_dtype: torc
     gen = torch.Generator().manual_seed(0)
     blocks_per_seq = -(-context // BLOCK)
     num_blocks = num_seqs * blocks_per_seq + 8
-    width = HEAD_DIM + 4 if cache_dtype == torch.int8 else HEAD_DIM  # int8 rows carry their scale
+    width = cache_row_width(HEAD_DIM, "int8" if cache_dtype == torch.int8 else "bfloat16")  # int8 rows carry their scale
     tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * blocks_per_seq].view(num_seqs, -1).int()
     slots = (tables.long().unsqueeze(-1) * BLOCK + torch.arange(BLOCK)).flatten()  # every slot of every table
     caches = []
@@ -56,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = cpu_extensions.load("paged_decode")
-    probe = torch.zeros(2, 1, BLOCK, KV_HEADS, HEAD_DIM + 4, dtype=torch.int8)
+    probe = torch.zeros(2, 1, BLOCK, KV_HEADS, cache_row_width(HEAD_DIM, "int8"), dtype=torch.int8)
     if kernels is None or not kernels.avx512_supports(probe):
         raise SystemExit("an int8 KV cache needs the AVX-512 BF16 and VNNI attention kernel, not on this CPU")
     print(f"decode attention, {LAYERS} layers, {args.threads} threads, ms per step (median of 3)")

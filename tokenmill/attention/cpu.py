@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from tokenmill import cpu_extensions
 from tokenmill.attention.backend import write_kv
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.pair_layout import cache_row_width
 from tokenmill.attention.torch_ref import gather_context
 
 
@@ -30,7 +31,7 @@ class SDPABackend:
 
     def serves_int8_cache(self, block_size: int, num_kv_heads: int, head_dim: int) -> bool:
         """Whether this backend reads an int8 cache of these shapes (only the AVX-512 BF16 kernel does)."""
-        probe = torch.empty(2, 1, block_size, num_kv_heads, head_dim + 4, dtype=torch.int8)
+        probe = torch.empty(2, 1, block_size, num_kv_heads, cache_row_width(head_dim, "int8"), dtype=torch.int8)
         return self._kernels is not None and bool(self._kernels.avx512_supports(probe))
 
     def forward(

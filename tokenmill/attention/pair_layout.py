@@ -14,6 +14,13 @@ from __future__ import annotations
 
 import torch
 
+INT8_SCALE_BYTES = 4  # an int8 cache row's float32 scale, stored after its values
+
+
+def cache_row_width(head_dim: int, kv_cache_dtype: str) -> int:
+    """Elements per (token, kv head) row of a cache tensor: an int8 row also holds its scale's bytes."""
+    return head_dim + INT8_SCALE_BYTES if kv_cache_dtype == "int8" else head_dim
+
 
 def to_pair_layout(cache: torch.Tensor) -> torch.Tensor:
     """[2, num_blocks, 16, Hkv, D] plain layout -> the same shape, blocks in the pair layout."""
@@ -35,7 +42,7 @@ def dequantize_int8_cache(cache: torch.Tensor) -> torch.Tensor:
     """[2, num_blocks, 16, Hkv, D + 4] int8 pair layout -> [2, num_blocks, 16, Hkv, D] float32 plain layout:
     each value times its token's scale."""
     _, num_blocks, block, heads, width = cache.shape
-    dim = width - 4
+    dim = width - INT8_SCALE_BYTES
     chunks = cache.view(2, num_blocks, heads, block * width)
     values = chunks[..., : block * dim].float()  # [2, nb, Hkv, 16 * D]
     scales = chunks[..., block * dim :].contiguous().view(torch.float32)  # [2, nb, Hkv, 16]

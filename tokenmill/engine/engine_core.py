@@ -133,7 +133,7 @@ class EngineCore:
             logger.exception("model step failed; ending the %d requests in it", len(sched.num_scheduled_tokens))
             return self._fail(list(sched.num_scheduled_tokens), f"engine error during the model step: {exc!r}")
         outputs = self.scheduler.update_from_output(sched, runner_out)
-        if all(n == 1 for n in sched.num_scheduled_tokens.values()):
+        if sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens):  # one token each: decode rows
             self.decode_stats.steps += 1
             self.decode_stats.seconds += time.perf_counter() - start
             self.decode_stats.tokens += len(runner_out.sampled_token_ids)

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.attention.backend import get_backend
+from tokenmill.attention.pair_layout import cache_row_width
 from tokenmill.config import EngineConfig
 from tokenmill.loader.model_loader import load_model
 from tokenmill.models.fused_decode import FusedDecode, unsupported_reason
@@ -22,11 +23,6 @@ from tokenmill.worker.input_batch import RunnerRequestState, StepBatch, build_st
 # Seeded requests reseed their generator from (seed, output position) each step, so a request's
 # samples depend on nothing else: not batch composition, not preemption and recompute.
 _SEED_STRIDE = 1_000_003
-
-
-def cache_row_width(head_dim: int, kv_cache_dtype: str) -> int:
-    """Elements per (token, kv head) row of the cache: an int8 row also holds its float32 scale."""
-    return head_dim + 4 if kv_cache_dtype == "int8" else head_dim
 
 
 def kv_cache_bytes_per_block(config: EngineConfig) -> int:
