@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill import hugepages
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import ModelConfig
 from tokenmill.loader import hf
@@ -129,7 +130,28 @@ def load_model(config: ModelConfig, folder: Path | None, backend: AttentionBacke
 
         if kernels.available():  # half the bytes per decode step; the same numbers
             pack_bf16_weights(model)
+    if device == "cpu":
+        place_packed_weights(model)
     return model.eval()
+
+
+def place_packed_weights(model: nn.Module) -> None:
+    """Move the packed linear layers' tensors into one huge-page buffer (see tokenmill/hugepages.py),
+    in module order: the order a decode step reads them."""
+    from tokenmill.quant import Bf16Linear, Int8Linear
+
+    owners = [
+        (module, name)
+        for module in model.modules()
+        if isinstance(module, (Bf16Linear, Int8Linear))
+        for name, buffer in module.named_buffers(recurse=False)
+        if buffer.device.type == "cpu"
+    ]
+    if not owners:
+        return
+    copies = hugepages.gather([getattr(module, name) for module, name in owners])
+    for (module, name), copy in zip(owners, copies):
+        setattr(module, name, copy)
 
 
 @torch.no_grad()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from tokenmill import hugepages
 from tokenmill.attention.backend import get_backend
 from tokenmill.attention.pair_layout import cache_row_width
 from tokenmill.config import EngineConfig
@@ -88,7 +89,11 @@ class ModelRunner:
         for layer in self.model.layers:
             attn = layer.self_attn
             width = cache_row_width(attn.head_dim, self.config.cache.kv_cache_dtype)
-            cache = torch.zeros(2, num_blocks, self.block_size, attn.num_kv_heads, width, dtype=dtype, device=self.device)
+            shape = (2, num_blocks, self.block_size, attn.num_kv_heads, width)
+            if self.device.type == "cpu":  # a step reads blocks anywhere in the pool: fewer TLB misses
+                cache = hugepages.zeros(shape, dtype)
+            else:
+                cache = torch.zeros(shape, dtype=dtype, device=self.device)
             attn.kv_cache = cache
             self.kv_caches.append(cache)
 
