@@ -117,6 +117,28 @@ inline float chunk_weights(const float* l, int64_t v, int64_t c, float max, floa
 #endif
 }
 
+// The total weight of chunks [c0, c1) (see chunk_weights), summed in one vector: a horizontal sum
+// per chunk would cost more than its exponentials.
+inline float span_weight(const float* l, int64_t v, int64_t c0, int64_t c1, float max, float inv_t) {
+#ifdef __AVX512F__
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m512 shift = _mm512_set1_ps(max), scale = _mm512_set1_ps(inv_t), masked = _mm512_set1_ps(neg_inf);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t c = c0; c < c1; ++c) {
+    const int64_t first = 16 * c, n = std::min<int64_t>(16, v - first);
+    const __mmask16 in_row = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    const __m512 x = _mm512_mask_loadu_ps(masked, in_row, l + first);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, masked, _CMP_NEQ_OQ);
+    acc = _mm512_mask_add_ps(acc, live, acc, exp512(_mm512_mul_ps(_mm512_sub_ps(x, shift), scale)));
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
+  float w[16], sum = 0.0f;
+  for (int64_t c = c0; c < c1; ++c) sum += chunk_weights(l, v, c, max, inv_t, w);
+  return sum;
+#endif
+}
+
 // One token per row drawn from softmax(logits / temperature) by inverse CDF, without materializing
 // the probabilities: the first token whose running sum of weights exceeds uniform * (their total),
 // summed in float64 (a token of weight 0 never wins). Replaces softmax, a float64 cumsum and a
@@ -135,8 +157,11 @@ inline torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature
   const float* tp = temperature.data_ptr<float>();
   const double* up = uniform.data_ptr<double>();
   int64_t* op = out.data_ptr<int64_t>();
+  constexpr int64_t kSpan = 16;  // chunks per partial sum: the walk finds a span, then a chunk in it
+  const int64_t spans = (chunks + kSpan - 1) / kSpan;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> sums(chunks);  // each chunk's total weight
+    std::vector<float> span_sums(spans);
+    float sums[kSpan];  // the chosen span's chunk totals
     alignas(64) float w[16];
     for (int64_t r = begin; r < end; ++r) {
       const float* l = lp + r * v;
@@ -146,18 +171,25 @@ inline torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature
       if (!(max > -std::numeric_limits<float>::infinity())) continue;  // every token masked: token 0
       const float inv_t = 1.0f / tp[r];
       double total = 0.0;
-      int64_t last = 0;  // the last chunk of nonzero weight: the draw never lands past it
-      for (int64_t c = 0; c < chunks; ++c) {
-        const float s = chunk_weights(l, v, c, max, inv_t, w);
-        sums[c] = s;
-        total += s;
-        if (s > 0.0f) last = c;
+      int64_t last = 0;  // the last span of nonzero weight: the draw never lands past it
+      for (int64_t sp = 0; sp < spans; ++sp) {
+        span_sums[sp] = span_weight(l, v, sp * kSpan, std::min(chunks, (sp + 1) * kSpan), max, inv_t);
+        total += span_sums[sp];
+        if (span_sums[sp] > 0.0f) last = sp;
       }
       const double target = up[r] * total;
       double running = 0.0;
-      int64_t c = 0;
-      for (; c < last && running + sums[c] <= target; ++c) running += sums[c];
-      chunk_weights(l, v, c, max, inv_t, w);
+      int64_t sp = 0;
+      for (; sp < last && running + span_sums[sp] <= target; ++sp) running += span_sums[sp];
+      const int64_t c0 = sp * kSpan, count = std::min(chunks, c0 + kSpan) - c0;
+      int64_t last_chunk = 0;  // within the span, likewise
+      for (int64_t i = 0; i < count; ++i) {
+        sums[i] = chunk_weights(l, v, c0 + i, max, inv_t, w);
+        if (sums[i] > 0.0f) last_chunk = i;
+      }
+      int64_t i = 0;
+      for (; i < last_chunk && running + sums[i] <= target; ++i) running += sums[i];
+      chunk_weights(l, v, c0 + i, max, inv_t, w);
       int64_t pick = -1;
       for (int t = 0; t < 16; ++t) {
         if (w[t] <= 0.0f) continue;
@@ -165,7 +197,7 @@ inline torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature
         running += w[t];
         if (running > target) break;
       }
-      op[r] = 16 * c + std::max<int64_t>(pick, 0);
+      op[r] = 16 * (c0 + i) + std::max<int64_t>(pick, 0);
     }
   });
   return out;
