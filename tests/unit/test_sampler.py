@@ -202,6 +202,22 @@ def test_the_cpu_sampling_kernel_draws_what_the_inverse_cdf_does() -> None:
     assert ops.sample_rows(torch.full((1, 5), float("-inf")), torch.ones(1), ends[:1]).tolist() == [0]
 
 
+def test_the_cpu_argmax_kernel_picks_what_torch_argmax_does() -> None:
+    ops = cpu_ops(torch.zeros(1))
+    if ops is None:
+        pytest.skip("the C++ CPU ops could not be built here")
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(40, 49157, generator=gen).round(decimals=1) * 3  # many equal values: ties
+    logits[1] = float("-inf")  # every token masked
+    logits[2, 5:] = 1e4  # the largest value from index 5 on: the first wins
+    logits[3, 49150] = float("nan")  # a NaN counts as the largest, as in torch
+    logits[4, [9, 49156]] = float("nan")
+    logits[5, 49156] = float("inf")
+    logits[6, 49141:] = 50.0  # the maximum in the tail past the last whole vector
+    assert torch.equal(ops.argmax_rows(logits), logits.argmax(dim=-1))
+    assert ops.argmax_rows(logits[:, :3].contiguous()).tolist() == logits[:, :3].argmax(dim=-1).tolist()
+
+
 def test_a_seed_fixes_the_draw_whatever_the_batch_position_and_neighbours() -> None:
     vocab = 1000  # a wide, flat vocabulary: an accidental match is unlikely
     logits = torch.randn(6, vocab) * 0.1

@@ -82,7 +82,8 @@ def _apply_request_adjustments(logits: torch.Tensor, meta: SamplingMetadata) -> 
 def _pick(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     if meta.no_greedy:
         return _sample(logits, meta)
-    greedy_ids = logits.argmax(dim=-1)  # [num_reqs]
+    ops = cpu_ops(logits) if logits.is_contiguous() else None
+    greedy_ids = ops.argmax_rows(logits) if ops is not None else logits.argmax(dim=-1)  # [num_reqs]
     if meta.all_greedy:
         return greedy_ids
     return torch.where(meta.greedy, greedy_ids, _sample(logits, meta))
