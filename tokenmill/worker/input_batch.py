@@ -44,7 +44,16 @@ class StepBatch:
 def build_step_batch(
     states: list[RunnerRequestState], num_scheduled: list[int], block_size: int, device: torch.device
 ) -> StepBatch:
-    """Flatten the scheduled tokens of every request into one batch (numpy on the host, one copy each)."""
+    """Flatten the scheduled tokens of every request into one batch."""
+    if all(n == 1 for n in num_scheduled) and all(s.num_computed_tokens + 1 == len(s.token_ids) for s in states):
+        return _decode_batch(states, block_size, device)
+    return _mixed_batch(states, num_scheduled, block_size, device)
+
+
+def _mixed_batch(
+    states: list[RunnerRequestState], num_scheduled: list[int], block_size: int, device: torch.device
+) -> StepBatch:
+    """Any step, prompt chunks included: numpy on the host, one copy per tensor."""
     num_reqs = len(states)
     query_lens = np.asarray(num_scheduled, dtype=np.int64)
     qsl = np.zeros(num_reqs + 1, dtype=np.int64)
@@ -95,4 +104,34 @@ def build_step_batch(
         sample_req_ids=sample_req_ids,
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
         prompt_logprob_rows=prompt_rows,
+    )
+
+
+def _decode_batch(states: list[RunnerRequestState], block_size: int, device: torch.device) -> StepBatch:
+    """The common step: every request feeds its last token and samples the next. Plain lists and one
+    tensor each: at decode batch sizes, numpy's per-call cost is most of building the batch."""
+    positions = [s.num_computed_tokens for s in states]
+    slots = [s.block_ids[p // block_size] * block_size + p % block_size for s, p in zip(states, positions)]
+    width = max(len(s.block_ids) for s in states)
+    seq_lens = [p + 1 for p in positions]
+    n = len(states)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in states],
+                                  dtype=torch.int32, device=device),  # [n, width]
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc_cpu=list(range(n + 1)),
+        seq_lens_cpu=seq_lens,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+    )
+    req_ids = [s.req_id for s in states]
+    return StepBatch(
+        req_ids=req_ids,
+        input_ids=torch.tensor([s.token_ids[-1] for s in states], dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        attn_metadata=meta,
+        sample_req_ids=req_ids,
+        logits_indices=torch.arange(n, device=device),
     )
