@@ -16,6 +16,7 @@ import functools
 import logging
 import math
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -27,7 +28,7 @@ _ALIGN = 64  # bytes between gathered tensors: whole cache lines, as the kernels
 
 
 @functools.cache
-def _madvise() -> ctypes._CFuncPtr | None:
+def _madvise() -> Callable[[int, int, int], int] | None:
     """libc's madvise where huge pages can be asked for, else None."""
     if not sys.platform.startswith("linux"):
         return None
@@ -49,9 +50,9 @@ def huge_empty(nbytes: int) -> torch.Tensor:
     madvise = _madvise()
     if madvise is None or nbytes < PAGE:
         return torch.empty(nbytes, dtype=torch.uint8)
-    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)  # torch.empty leaves the pages untouched
+    length = (nbytes + PAGE - 1) // PAGE * PAGE  # whole pages, all inside `raw` wherever it starts
+    raw = torch.empty(length + PAGE, dtype=torch.uint8)  # torch.empty leaves the pages untouched
     start = -raw.data_ptr() % PAGE
-    length = (nbytes + PAGE - 1) // PAGE * PAGE
     if madvise(raw.data_ptr() + start, length, _MADV_HUGEPAGE) != 0:
         logger.debug("madvise(MADV_HUGEPAGE) failed (errno %d): 4 KiB pages", ctypes.get_errno())
     return raw[start : start + nbytes]  # a view: keeps `raw` alive
