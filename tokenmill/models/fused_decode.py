@@ -63,7 +63,8 @@ class FusedDecode:
         attn0 = model.layers[0].self_attn
         kernels = cpu_extensions.load("decode_stack")
         stack = kernels.DecodeStack(
-            attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, model.norm.eps, attn0.scale, model.norm.weight
+            attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, model.norm.eps, attn0.scale, model.norm.weight,
+            model.embed_tokens.weight, model.rotary.cos, model.rotary.sin,
         )
         for layer, cache in zip(model.layers, caches):
             attn, mlp = layer.self_attn, layer.mlp
@@ -76,8 +77,8 @@ class FusedDecode:
 
     def __call__(
         self,
-        hidden: torch.Tensor,  # [num_seqs, hidden] embeddings of each sequence's new token
-        rotary: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [num_seqs, 1, D / 2]
+        input_ids: torch.Tensor,  # [num_seqs] each sequence's new token
+        positions: torch.Tensor,  # [num_seqs]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """The final normed hidden states, [num_seqs, hidden]."""
@@ -88,5 +89,4 @@ class FusedDecode:
             raise RuntimeError(f"the fused decode stack reads a float32, bf16 or int8 KV cache, not {caches[0].dtype}")
         if self._stack is None or any(a is not b for a, b in zip(caches, self._caches)):
             self._stack = self._bind(caches)
-        cos, sin = rotary
-        return self._stack.forward(hidden, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        return self._stack.forward(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)

@@ -148,10 +148,10 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Returns the final hidden states, [num_tokens, hidden_size]."""
+        if self.fused_decode is not None and meta.is_all_decode:  # the embedding and rotary tables too
+            return self.fused_decode(input_ids, positions, meta)
         hidden = self.embed_tokens(input_ids)
         rotary = self.rotary(positions)
-        if self.fused_decode is not None and meta.is_all_decode:
-            return self.fused_decode(hidden, rotary, meta)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rotary, meta, self.backend)

@@ -203,7 +203,9 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, batch.attn_metadata)
 
     def _sample(self, hidden: torch.Tensor, batch: StepBatch, output: ModelRunnerOutput) -> None:
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab]
+        # Every row samples (a decode step): the rows are the logits' rows already, in order.
+        rows = hidden if hidden.shape[0] == batch.logits_indices.numel() else hidden[batch.logits_indices]
+        logits = self.model.compute_logits(rows)  # [num_sampled, vocab]
         states = [self.states[r] for r in batch.sample_req_ids]
         for state in states:
             if state.generator is not None:

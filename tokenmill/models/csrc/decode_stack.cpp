@@ -47,10 +47,17 @@ struct Layer {
 
 class DecodeStack {
  public:
+  // embedding: [vocab, hidden] float32; cos, sin: [max_position, D / 2] float32 (the rotary tables)
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-              at::Tensor final_norm)
+              at::Tensor final_norm, at::Tensor embedding, at::Tensor cos, at::Tensor sin)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        final_norm_(std::move(final_norm)) {}
+        final_norm_(std::move(final_norm)), embedding_(std::move(embedding)), cos_(std::move(cos)),
+        sin_(std::move(sin)) {
+    TORCH_CHECK(embedding_.dim() == 2 && embedding_.scalar_type() == at::kFloat, "embedding: [vocab, hidden] float32");
+    TORCH_CHECK(cos_.dim() == 2 && cos_.size(1) == head_dim / 2 && cos_.sizes() == sin_.sizes() &&
+                cos_.scalar_type() == at::kFloat && sin_.scalar_type() == at::kFloat,
+                "cos, sin: [max_position, head_dim / 2] float32");
+  }
 
   void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, PackedLinear qkv, PackedLinear o,
                  PackedLinear gate_up, PackedLinear down, at::Tensor kv_cache) {
@@ -64,17 +71,17 @@ class DecodeStack {
                        std::move(gate_up), std::move(down), std::move(kv_cache)});
   }
 
-  // hidden: [B, hidden] float32 embeddings; cos, sin: [B, D / 2]; slot_mapping: [B] int64;
+  // input_ids, positions: [B] int64 (each sequence's new token); slot_mapping: [B] int64;
   // block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (context length including the new token).
   // Returns the final normed hidden states, [B, hidden].
-  at::Tensor forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
-                     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens) const {
-    TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat, "hidden: [B, hidden] float32");
-    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == hidden.size(0),
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens) const {
+    TORCH_CHECK(input_ids.dim() == 1 && positions.sizes() == input_ids.sizes(), "input_ids, positions: [B]");
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == input_ids.numel(),
                 "slot_mapping: [B] int64");
-    const int64_t batch = hidden.size(0), q_size = num_heads_ * head_dim_;
-    at::Tensor residual = hidden.contiguous().clone();
+    const int64_t batch = input_ids.numel(), q_size = num_heads_ * head_dim_;
+    at::Tensor residual = embedding_.index_select(0, input_ids);  // [B, hidden], the residual stream
+    const at::Tensor cos = cos_.index_select(0, positions), sin = sin_.index_select(0, positions);  // [B, D / 2]
     at::Tensor x;  // the normed activations
     const at::Tensor slots = slot_mapping.contiguous();
     for (const Layer& layer : layers_) {
@@ -133,7 +140,7 @@ class DecodeStack {
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
-  at::Tensor final_norm_;
+  at::Tensor final_norm_, embedding_, cos_, sin_;
   std::vector<Layer> layers_;
 };
 
@@ -141,7 +148,7 @@ class DecodeStack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<tokenmill::DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, at::Tensor>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor, at::Tensor>())
       .def("add_layer", &tokenmill::DecodeStack::add_layer)
       .def("forward", &tokenmill::DecodeStack::forward)
       .def_property_readonly("num_layers", &tokenmill::DecodeStack::num_layers);
