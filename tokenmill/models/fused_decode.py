@@ -2,10 +2,11 @@
 
 A decode step of a small model at batch 1 issues ~15 PyTorch calls per layer; from Python they cost
 about as much as the weight streaming they wrap. The C++ stack runs the same kernels on the same
-weights and KV cache, so the numbers match the layer-by-layer path (tests/unit/test_fused_decode.py).
+weights and KV cache, so the numbers match the layer-by-layer path (tests/unit/test_fused_decode.py);
+it starts from the token ids (the embedding lookup and the rotary tables' rows are in the call too).
 It covers the common case: float32 or packed (bf16, int8) weights on CPU, float32 activations, a
-float32 or bf16 cache, the C++ paged-decode attention, no q/k norm (Qwen3 keeps the Python path). Steps with any
-prompt token run layer by layer."""
+float32, bf16 or int8 cache, the C++ paged-decode attention, no q/k norm (Qwen3 keeps the Python path).
+Steps with any prompt token run layer by layer."""
 
 from __future__ import annotations
 
