@@ -6,7 +6,7 @@ boundaries; cache blocks lie anywhere in a pool of gigabytes, so nearly every bl
 TLB. Where the kernel's huge pages are "madvise" (Debian's default), memory gets them only when asked
 before it is first touched: `huge_empty` asks (madvise MADV_HUGEPAGE) for a 2 MiB-aligned range, and
 elsewhere is torch.empty. The KV cache (`zeros`) and the packed weights (`gather`: one buffer, in the
-order a decode step reads them) live there: decode 5-10% faster on this repo's CPU (BENCHMARKS.md).
+order a decode step reads them) live there: decode 2-13% faster on this repo's CPU (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -60,8 +60,7 @@ def huge_empty(nbytes: int) -> torch.Tensor:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor on huge pages where the OS gives them (see huge_empty)."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    return huge_empty(nbytes).view(dtype).view(shape).zero_()
+    return huge_empty(math.prod(shape) * dtype.itemsize).view(dtype).view(shape).zero_()
 
 
 def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -70,12 +69,11 @@ def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)
-        total += (t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
+        total += (t.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
     arena = huge_empty(total)
     copies = []
     for t, offset in zip(tensors, offsets):
-        nbytes = t.numel() * t.element_size()
-        copy = arena[offset : offset + nbytes].view(t.dtype).view(t.shape)
+        copy = arena[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
         copy.copy_(t)
         copies.append(copy)
     return copies
