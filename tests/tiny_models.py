@@ -29,10 +29,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def make_tiny_model(folder: Path, family: str, seed: int = 0) -> Path:
+def make_tiny_model(folder: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
+    """overrides: config fields on top of the family's (head_dim=32, say)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = dict(FAMILIES[family])
+    spec = dict(FAMILIES[family]) | overrides
     model_type = spec.pop("model_type")
     config = AutoConfig.for_model(model_type, **TINY, **spec)
     torch.manual_seed(seed)

@@ -11,6 +11,7 @@ import torch
 from tokenmill import LLM, SamplingParams
 from tokenmill.loader import model_loader
 from tokenmill.quant import kernels
+from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ packed GEMM could not be built here")
 
@@ -54,6 +55,34 @@ def test_fused_decode_matches_layer_by_layer(
     got = fused.generate(PROMPTS, params, use_tqdm=False)
     want = eager.generate(PROMPTS, params, use_tqdm=False)
     assert len(calls) >= params.max_tokens - 1  # the all-decode steps took the fused path
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for g_step, w_step in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            for token, entry in w_step.items():
+                assert g_step[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "precision",
+    [{}, {"kv_cache_dtype": "int8"}, {"quantization": "int8", "kv_cache_dtype": "int8"}],
+)
+def test_fused_decode_with_the_avx512_attention_matches_layer_by_layer(
+    tmp_path: Path, precision: dict[str, str]
+) -> None:
+    """head_dim 32 on a bf16 or int8 cache: the stack's attention items rotate their own rows and write
+    them into the cache (attn::decode_attention) instead of the serial rotary and cache-write passes."""
+    folder = make_tiny_model(tmp_path / "llama", "llama", head_dim=32)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+    fused = LLM(model=str(folder), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=16, **precision)
+    if not fused.engine.runner.backend.serves_int8_cache(16, 2, 32):  # type: ignore[attr-defined]
+        pytest.skip("the AVX-512 BF16 attention kernel is not built here")
+    eager = LLM(model=str(folder), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=16,
+                enforce_eager=True, **precision)
+    assert fused.engine.runner.fused_decode_off_reason is None
+    calls = _count_fused_calls(fused)
+    got = fused.generate(PROMPTS, params, use_tqdm=False)
+    want = eager.generate(PROMPTS, params, use_tqdm=False)
+    assert len(calls) >= params.max_tokens - 1
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         for g_step, w_step in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):

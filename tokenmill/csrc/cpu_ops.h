@@ -67,6 +67,17 @@ inline torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// One head rotated in place: (x[d], x[d + half]) by the angle of (c[d], s[d]), d < half.
+inline void rotate_head(float* x, const float* c, const float* s, int64_t half) {
+  float* x2 = x + half;
+#pragma omp simd
+  for (int64_t d = 0; d < half; ++d) {
+    const float a = x[d], b = x2[d];
+    x[d] = a * c[d] - b * s[d];
+    x2[d] = b * c[d] + a * s[d];
+  }
+}
+
 // Rotary embedding (rotate-half form) in place on the first `num_heads` heads of each row of `qk`
 // ([n, row_stride] float32, heads of `head_dim` side by side: the q and k heads of a fused QKV
 // output). cos/sin: [n, head_dim / 2], each token's angles.
@@ -83,16 +94,7 @@ inline void rotary_(torch::Tensor qk, int64_t num_heads, int64_t head_dim, torch
     for (int64_t i = begin; i < end; ++i) {
       const float* c = cp + i * half;
       const float* s = sp + i * half;
-      for (int64_t hd = 0; hd < num_heads; ++hd) {
-        float* x1 = base + i * row_stride + hd * head_dim;
-        float* x2 = x1 + half;
-#pragma omp simd
-        for (int64_t d = 0; d < half; ++d) {
-          const float a = x1[d], b = x2[d];
-          x1[d] = a * c[d] - b * s[d];
-          x2[d] = b * c[d] + a * s[d];
-        }
-      }
+      for (int64_t hd = 0; hd < num_heads; ++hd) rotate_head(base + i * row_stride + hd * head_dim, c, s, half);
     }
   });
 }

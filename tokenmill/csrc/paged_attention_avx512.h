@@ -90,41 +90,31 @@ inline __m512 load16(const at::BFloat16* x) {  // bf16 -> float32: the bits in t
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
 }
 
-// Rows' kv heads into their cache slots, rounded to bf16 (to nearest even, as torch converts).
-// Row i: k at k + i * row_stride, v at v + i * row_stride, each [Hkv][D]; 0 <= slots[i] < num_slots.
-// A prompt's rows split across the threads: each token owns whole dwords of the keys and the half of
-// each value dword it writes under a mask, so rows sharing a block never write the same bytes.
+// One row's kv head h into its cache slot, rounded to bf16 (to nearest even, as torch converts):
+// k, v: the head's [D] values. A key's 16 pairs of 32 columns go 16 dwords apart (one per vector of
+// the block's pair); a value's 32 columns go to every other bf16 of its pair row (the first or
+// second of each pair), so rows sharing a block never write the same bytes.
 template <typename T>
-inline void write_rows(const T* k, const T* v, int64_t row_stride, int64_t rows, const int64_t* slots,
-                       at::BFloat16* k_cache, at::BFloat16* v_cache, int64_t num_kv_heads, int64_t head_dim) {
+inline void write_head(const T* k, const T* v, int64_t slot, at::BFloat16* k_cache, at::BFloat16* v_cache, int64_t h,
+                       int64_t num_kv_heads, int64_t head_dim) {
   const int64_t head_chunk = kBlock * head_dim;  // one kv head's share of a block half
-  // A key's 16 pairs of 32 columns go 16 dwords apart (one per vector of the block's pair); a value's
-  // 32 columns go to every other bf16 of its pair row (the first or second of each pair).
   const __m512i pair_rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                _mm512_set1_epi32(kBlock));
   alignas(64) static constexpr uint16_t spread_lo[32] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7,
                                                          8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
   const __m512i lo = _mm512_load_si512(spread_lo), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t block = slots[i] / kBlock, t = slots[i] % kBlock;
-      const __m512i key_slots = _mm512_add_epi32(pair_rows, _mm512_set1_epi32(static_cast<int>(t)));
-      const __mmask32 half = t % 2 ? 0xAAAAAAAA : 0x55555555;
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        auto* kc = reinterpret_cast<int32_t*>(k_cache + (block * num_kv_heads + h) * head_chunk);
-        at::BFloat16* vc = v_cache + (block * num_kv_heads + h) * head_chunk + (t / 2) * 2 * head_dim;
-        const T* kr = k + i * row_stride + h * head_dim;
-        const T* vr = v + i * row_stride + h * head_dim;
-        for (int64_t d = 0; d < head_dim; d += 32) {
-          const __m512i kb = (__m512i)_mm512_cvtne2ps_pbh(load16(kr + d + 16), load16(kr + d));
-          _mm512_i32scatter_epi32(kc + d / 2 * kBlock, key_slots, kb, 4);
-          const __m512i vb = (__m512i)_mm512_cvtne2ps_pbh(load16(vr + d + 16), load16(vr + d));
-          _mm512_mask_storeu_epi16(vc + 2 * d, half, _mm512_permutexvar_epi16(lo, vb));
-          _mm512_mask_storeu_epi16(vc + 2 * d + 32, half, _mm512_permutexvar_epi16(hi, vb));
-        }
-      }
-    }
-  });
+  const int64_t block = slot / kBlock, t = slot % kBlock;
+  const __m512i key_slots = _mm512_add_epi32(pair_rows, _mm512_set1_epi32(static_cast<int>(t)));
+  const __mmask32 half = t % 2 ? 0xAAAAAAAA : 0x55555555;
+  auto* kc = reinterpret_cast<int32_t*>(k_cache + (block * num_kv_heads + h) * head_chunk);
+  at::BFloat16* vc = v_cache + (block * num_kv_heads + h) * head_chunk + (t / 2) * 2 * head_dim;
+  for (int64_t d = 0; d < head_dim; d += 32) {
+    const __m512i kb = (__m512i)_mm512_cvtne2ps_pbh(load16(k + d + 16), load16(k + d));
+    _mm512_i32scatter_epi32(kc + d / 2 * kBlock, key_slots, kb, 4);
+    const __m512i vb = (__m512i)_mm512_cvtne2ps_pbh(load16(v + d + 16), load16(v + d));
+    _mm512_mask_storeu_epi16(vc + 2 * d, half, _mm512_permutexvar_epi16(lo, vb));
+    _mm512_mask_storeu_epi16(vc + 2 * d + 32, half, _mm512_permutexvar_epi16(hi, vb));
+  }
 }
 
 // q[0, D) <- x rounded to multiples of max |x| / 127 (to nearest even); returns that scale (0 for a zero row).
@@ -140,33 +130,40 @@ inline float quantize_row(const T* x, int64_t head_dim, int8_t* q) {
   return absmax / 127.0f;
 }
 
-// write_rows for an int8 cache: each row of each head quantized with its own scale, the bytes in the
-// pair order. As there, rows split across the threads never write the same bytes.
+// write_head for an int8 cache: the row's head quantized with its own scale, the bytes in the pair
+// order. As there, rows sharing a block never write the same bytes.
 template <typename T>
-inline void write_rows(const T* k, const T* v, int64_t row_stride, int64_t rows, const int64_t* slots,
-                       int8_t* k_cache, int8_t* v_cache, int64_t num_kv_heads, int64_t head_dim) {
+inline void write_head(const T* k, const T* v, int64_t slot, int8_t* k_cache, int8_t* v_cache, int64_t h,
+                       int64_t num_kv_heads, int64_t head_dim) {
   const int64_t head_chunk = kBlock * (head_dim + 4);
+  alignas(64) int8_t kq[128], vq[128];
+  const int64_t block = slot / kBlock, t = slot % kBlock;
+  const __mmask64 half = t % 2 ? 0xAAAAAAAAAAAAAAAAull : 0x5555555555555555ull;
+  int8_t* kc = k_cache + (block * num_kv_heads + h) * head_chunk;
+  int8_t* vc = v_cache + (block * num_kv_heads + h) * head_chunk;
+  const float k_scale = quantize_row(k, head_dim, kq);
+  const float v_scale = quantize_row(v, head_dim, vq);
+  for (int64_t j = 0; j < head_dim / 2; ++j) std::memcpy(kc + j * 32 + 2 * t, kq + 2 * j, 2);  // pair j, token t
+  int8_t* value_pairs = vc + (t / 2) * 2 * head_dim;  // v[d] to byte 2 d + t % 2
+  for (int64_t d = 0; d < head_dim; d += 32) {
+    __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vq + d)));
+    if (t % 2) w = _mm512_slli_epi16(w, 8);
+    _mm512_mask_storeu_epi8(value_pairs + 2 * d, half, w);
+  }
+  reinterpret_cast<float*>(kc + kBlock * head_dim)[t] = k_scale;
+  reinterpret_cast<float*>(vc + kBlock * head_dim)[t] = v_scale;
+}
+
+// Rows' kv heads into their cache slots (write_head). Row i: k at k + i * row_stride, v at
+// v + i * row_stride, each [Hkv][D]; 0 <= slots[i] < num_slots. A prompt's rows split across the threads.
+template <typename T, typename Cache>
+inline void write_rows(const T* k, const T* v, int64_t row_stride, int64_t rows, const int64_t* slots,
+                       Cache* k_cache, Cache* v_cache, int64_t num_kv_heads, int64_t head_dim) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    alignas(64) int8_t kq[128], vq[128];
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t block = slots[i] / kBlock, t = slots[i] % kBlock;
-      const __mmask64 half = t % 2 ? 0xAAAAAAAAAAAAAAAAull : 0x5555555555555555ull;
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        int8_t* kc = k_cache + (block * num_kv_heads + h) * head_chunk;
-        int8_t* vc = v_cache + (block * num_kv_heads + h) * head_chunk;
-        const float k_scale = quantize_row(k + i * row_stride + h * head_dim, head_dim, kq);
-        const float v_scale = quantize_row(v + i * row_stride + h * head_dim, head_dim, vq);
-        for (int64_t j = 0; j < head_dim / 2; ++j) std::memcpy(kc + j * 32 + 2 * t, kq + 2 * j, 2);  // pair j, token t
-        int8_t* value_pairs = vc + (t / 2) * 2 * head_dim;  // v[d] to byte 2 d + t % 2
-        for (int64_t d = 0; d < head_dim; d += 32) {
-          __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vq + d)));
-          if (t % 2) w = _mm512_slli_epi16(w, 8);
-          _mm512_mask_storeu_epi8(value_pairs + 2 * d, half, w);
-        }
-        reinterpret_cast<float*>(kc + kBlock * head_dim)[t] = k_scale;
-        reinterpret_cast<float*>(vc + kBlock * head_dim)[t] = v_scale;
-      }
-    }
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        write_head(k + i * row_stride + h * head_dim, v + i * row_stride + h * head_dim, slots[i], k_cache, v_cache,
+                   h, num_kv_heads, head_dim);
   });
 }
 
@@ -451,11 +448,13 @@ inline void attend_head(const float* const* q_rows, float* const* out_rows, cons
 // the pair layout (see write_rows). out: like q. A sequence with no context gets zeros.
 //
 // A work item is a tile of a sequence's query tokens and all its kv heads (one table walk for all);
-// with too few tiles to keep the threads busy, one kv head.
-template <int C, typename Cache>
+// with too few tiles to keep the threads busy, one kv head. prepare(seq, kvh0, heads) runs first
+// in each item, on the thread that attends it (see decode_attention in paged_decode.h).
+template <int C, typename Cache, typename Prepare>
 void attend(const float* q, int64_t q_stride, const int32_t* query_start, const Cache* k_cache,
             const Cache* v_cache, const int32_t* block_tables, const int32_t* seq_lens, float* out,
-            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t max_blocks, float scale) {
+            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t max_blocks, float scale,
+            const Prepare& prepare) {
   constexpr int64_t D = 16 * C, kChunk = chunk_elems<Cache, C>();  // one kv head in a block half
   const int64_t group = num_heads / num_kv_heads;
   const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group);
@@ -490,6 +489,7 @@ void attend(const float* q, int64_t q_stride, const int32_t* query_start, const 
     for (int64_t worker = begin; worker < end; ++worker) {
       for (const int64_t index : plan[worker]) {
         const Item& it = items[index];
+        prepare(it.seq, it.kvh0, it.heads);
         const int64_t q_len = start(it.seq + 1) - start(it.seq), seq_len = seq_lens[it.seq];
         const int64_t rows = it.tokens * group;  // per kv head: (token, query head of its group)
         const auto row_of = [&](int64_t kvh, int64_t r) {  // [tokens, num_heads] index of a head's row r

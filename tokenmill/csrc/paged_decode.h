@@ -408,9 +408,11 @@ inline void write_kv(const torch::Tensor& k, const torch::Tensor& v, const torch
 // already written). q: [tokens, num_heads, head_dim]; query_start: [num_seqs + 1] int32, sequence i's
 // rows [query_start[i], query_start[i + 1]) are the last of its seq_lens[i] positions (none: one row
 // per sequence). Returns like q. Only where avx512_supports(kv_cache): the cache in the pair layout.
-inline torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
-                                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                                     const std::optional<torch::Tensor>& query_start, double scale) {
+// prepare(seq, kvh0, heads): run by each work item before it reads (see decode_attention).
+template <typename Prepare>
+torch::Tensor paged_attention_with(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                                   const torch::Tensor& seq_lens, const std::optional<torch::Tensor>& query_start,
+                                   double scale, const Prepare& prepare) {
   TORCH_CHECK(avx512_supports(kv_cache), "paged_attention needs an AVX-512 BF16 build and a bf16 or int8 cache ",
               "of 16-token blocks with head_dim 32, 64 or 128");
   TORCH_CHECK(q.dim() == 3 && kv_cache.is_contiguous() && q.size(2) == cache_head_dim(kv_cache) &&
@@ -450,7 +452,7 @@ inline torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor
       avx512::attend<c()>(qf.data_ptr<float>(), qf.stride(0), query_start ? starts.data_ptr<int32_t>() : nullptr,
                           cache, cache + cache_half, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
                           out.data_ptr<float>(), lens.numel(), q.size(1), kv_cache.size(3), tables.size(1),
-                          static_cast<float>(scale));
+                          static_cast<float>(scale), prepare);
     });
   };
   if (kv_cache.scalar_type() == at::kChar) run(kv_cache.data_ptr<int8_t>());
@@ -458,6 +460,53 @@ inline torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor
 #endif
   return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
 }
+
+inline torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
+                                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                                     const std::optional<torch::Tensor>& query_start, double scale) {
+  return paged_attention_with(q, kv_cache, block_tables, seq_lens, query_start, scale, [](int64_t, int64_t, int64_t) {});
+}
+
+#ifdef TM_ATTN_AVX512
+// Decode attention (one new token per sequence) straight from the QKV projection's rows, in one
+// pass over the threads: each work item first rotates its own sequence's query and key heads in
+// place (rotate(head, seq): one [head_dim] float32 head of sequence seq's row) and writes that key
+// and value into the sequence's cache slot, then attends. No serial rotary or cache-write pass
+// before the attention, and each thread reads back the rows it wrote.
+// qkv: [num_seqs, (num_heads + 2 Hkv) * head_dim] float32; slots: [num_seqs] (checked here).
+template <typename Rotate>
+torch::Tensor decode_attention(const torch::Tensor& qkv, int64_t num_heads, const torch::Tensor& kv_cache,
+                               const int64_t* slots, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                               double scale, const Rotate& rotate) {
+  TORCH_CHECK(avx512_supports(kv_cache) && kv_cache.is_contiguous(), "decode_attention: a cache paged_attention serves");
+  const int64_t num_kv_heads = kv_cache.size(3), head_dim = cache_head_dim(kv_cache), rows = qkv.size(0);
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.stride(1) == 1 && num_heads % num_kv_heads == 0 &&
+                  qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+              "qkv: [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim] float32");
+  check_slots(slots, rows, kv_cache.size(1) * kv_cache.size(2));
+  const int64_t group = num_heads / num_kv_heads, q_size = num_heads * head_dim, half = kv_cache.numel() / 2;
+  float* base = qkv.data_ptr<float>();
+  const int64_t stride = qkv.stride(0);
+  const auto prepare = [&](int64_t seq, int64_t kvh0, int64_t heads) {
+    float* row = base + seq * stride;
+    for (int64_t h = kvh0; h < kvh0 + heads; ++h) {
+      for (int64_t g = h * group; g < (h + 1) * group; ++g) rotate(row + g * head_dim, seq);
+      float* k = row + q_size + h * head_dim;
+      rotate(k, seq);
+      const float* v = k + num_kv_heads * head_dim;
+      if (kv_cache.scalar_type() == at::kChar) {
+        int8_t* cache = kv_cache.data_ptr<int8_t>();
+        avx512::write_head(k, v, slots[seq], cache, cache + half, h, num_kv_heads, head_dim);
+      } else {
+        at::BFloat16* cache = kv_cache.data_ptr<at::BFloat16>();
+        avx512::write_head(k, v, slots[seq], cache, cache + half, h, num_kv_heads, head_dim);
+      }
+    }
+  };
+  const auto q = qkv.narrow(1, 0, q_size).view({rows, num_heads, head_dim});  // read in place
+  return paged_attention_with(q, kv_cache, block_tables, seq_lens, std::nullopt, scale, prepare);
+}
+#endif
 
 // q: [num_seqs, num_heads, head_dim] (computed in float32); kv_cache: [2, num_blocks, block_size, Hkv, D]
 // float32 or bfloat16 (in the pair layout where avx512_supports); block_tables: [num_seqs, max_blocks]

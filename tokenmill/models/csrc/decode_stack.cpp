@@ -84,16 +84,30 @@ class DecodeStack {
     const at::Tensor cos = cos_.index_select(0, positions), sin = sin_.index_select(0, positions);  // [B, D / 2]
     at::Tensor x;  // the normed activations
     const at::Tensor slots = slot_mapping.contiguous();
+    const int64_t half = head_dim_ / 2;
+    const float* cos_rows = cos.data_ptr<float>();
+    const float* sin_rows = sin.data_ptr<float>();
     for (const Layer& layer : layers_) {
       if (!x.defined())  // layer 0 has no residual to add: the same op as the layer-by-layer path
         x = at::rms_norm(residual, {residual.size(1)}, layer.input_norm, eps_);
       else
         ops::add_rms_norm_(x, residual, layer.input_norm, eps_);
       at::Tensor qkv = linear(layer.qkv, x);  // [B, (Hq + 2 * Hkv) * D]
-      ops::rotary_(qkv, num_heads_ + num_kv_heads_, head_dim_, cos, sin);
-      write_kv(qkv, layer.kv_cache, slots.data_ptr<int64_t>(), q_size);
-      at::Tensor q = qkv.narrow(1, 0, q_size).view({batch, num_heads_, head_dim_});  // read in place
-      at::Tensor attn = attn::paged_decode(q, layer.kv_cache, block_tables, seq_lens, scale_);  // [B, Hq, D]
+      at::Tensor attn;  // [B, Hq, D]
+#ifdef TM_ATTN_AVX512
+      if (attn::avx512_supports(layer.kv_cache)) {  // rotary and cache write inside the attention's items
+        attn = attn::decode_attention(qkv, num_heads_, layer.kv_cache, slots.data_ptr<int64_t>(), block_tables,
+                                      seq_lens, scale_, [&](float* head, int64_t seq) {
+                                        ops::rotate_head(head, cos_rows + seq * half, sin_rows + seq * half, half);
+                                      });
+      }
+#endif
+      if (!attn.defined()) {
+        ops::rotary_(qkv, num_heads_ + num_kv_heads_, head_dim_, cos, sin);
+        write_kv(qkv, layer.kv_cache, slots.data_ptr<int64_t>(), q_size);
+        at::Tensor q = qkv.narrow(1, 0, q_size).view({batch, num_heads_, head_dim_});  // read in place
+        attn = attn::paged_decode(q, layer.kv_cache, block_tables, seq_lens, scale_);
+      }
       at::Tensor o = linear(layer.o, attn.view({batch, q_size}));
       ops::add_rms_norm_(o, residual, layer.post_attention_norm, eps_);
       x = linear(layer.down, linear_silu_mul(layer.gate_up, o));
