@@ -119,19 +119,12 @@ class DecodeStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
-  // Copy each row's k and v heads (after rotary) into its cache slot; a bf16 cache rounds them to
-  // nearest even, as torch's conversion does in the layer-by-layer path. A cache that paged_attention
-  // serves takes its pair layout, as attn::write_kv writes it there.
+  // Copy each row's k and v heads (after rotary) into its cache slot of a plain [.., Hkv, D] cache
+  // (a cache in paged_attention's pair layout is written by attn::decode_attention); a bf16 cache
+  // rounds them to nearest even, as torch's conversion does in the layer-by-layer path.
   void write_kv(const at::Tensor& qkv, const at::Tensor& kv_cache, const int64_t* slots, int64_t q_size) const {
     const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
     attn::check_slots(slots, qkv.size(0), num_slots);
-#ifdef TM_ATTN_AVX512
-    if (attn::avx512_supports(kv_cache)) {
-      const float* k = qkv.data_ptr<float>() + q_size;
-      attn::write_pair_rows(k, k + num_kv_heads_ * head_dim_, qkv.stride(0), qkv.size(0), slots, kv_cache);
-      return;
-    }
-#endif
     if (kv_cache.scalar_type() == at::kBFloat16)
       write_rows(qkv, kv_cache.data_ptr<at::BFloat16>(), num_slots, slots, q_size);
     else
