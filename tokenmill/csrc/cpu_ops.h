@@ -14,6 +14,19 @@
 
 namespace tokenmill::ops {
 
+// One row of add_rms_norm_: r += x; x = w * r / rms(r), both [h].
+inline void add_rms_norm_row(float* x, float* r, const float* w, int64_t h, float eps) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < h; ++d) {
+    r[d] += x[d];
+    sum += r[d] * r[d];
+  }
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(h) + eps);
+#pragma omp simd
+  for (int64_t d = 0; d < h; ++d) x[d] = w[d] * (r[d] * inv);
+}
+
 // residual += x; x = weight * residual / rms(residual). In place on both: [n, hidden] float32.
 inline void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(), "contiguous inputs");
@@ -24,19 +37,7 @@ inline void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor
   float* rp = residual.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      float* xi = xp + i * h;
-      float* ri = rp + i * h;
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t d = 0; d < h; ++d) {
-        ri[d] += xi[d];
-        sum += ri[d] * ri[d];
-      }
-      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(h) + static_cast<float>(eps));
-#pragma omp simd
-      for (int64_t d = 0; d < h; ++d) xi[d] = wp[d] * (ri[d] * inv);
-    }
+    for (int64_t i = begin; i < end; ++i) add_rms_norm_row(xp + i * h, rp + i * h, wp, h, static_cast<float>(eps));
   });
 }
 

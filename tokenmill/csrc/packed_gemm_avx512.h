@@ -98,6 +98,23 @@ inline Buffer<uint32_t> bf16_tiles(const float* x, int64_t M, int64_t K, int64_t
   return out;
 }
 
+// Row x[0, K) into its column of a bf16_tiles tile: tile[i * kRows] holds pair i (K2 = K rounded up
+// to even; a zero pads odd K), rounded as bf16_tiles rounds. For rows prepared one at a time (see
+// run_share); the tile's other rows are left as they are.
+inline void bf16_row(const float* x, int64_t K, int64_t K2, uint32_t* tile) {
+  const __m512i pair_rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(kRows));
+  for (int64_t k = 0; k < K2; k += 32) {  // 16 pairs; masked loads read zeros past K
+    const auto mask = [&](int64_t k0) -> __mmask16 {
+      return K - k0 >= 16 ? 0xFFFF : K <= k0 ? 0 : static_cast<__mmask16>((1u << (K - k0)) - 1);
+    };
+    const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(mask(k + 16), x + k + 16),
+                                                       _mm512_maskz_loadu_ps(mask(k), x + k));
+    const int64_t count = std::min<int64_t>(16, (K2 - k) / 2);
+    _mm512_mask_i32scatter_epi32(tile + k / 2 * kRows, static_cast<__mmask16>((1u << count) - 1), pair_rows, pairs, 4);
+  }
+}
+
 inline __m512i broadcast_pair(const void* p) {  // one 32-bit (x[k], x[k+1]) pair (or int8 quad) to all 16 lanes
   int32_t pair;
   std::memcpy(&pair, p, sizeof pair);
@@ -171,33 +188,39 @@ struct Q8Rows {
   Buffer<int32_t> offsets;
 };
 
+// Row x[0, K) as int8 groups: values[0, K4) (zero padded), per group a scale and the offset
+// correction, scales[0, G) and offsets[0, G).
+inline void quantize_q8_row(const float* x, int64_t K, int64_t K4, int8_t* values, float* scales, int32_t* offsets) {
+  const auto mask = [&](int64_t k0) -> __mmask16 {
+    return K - k0 >= 16 ? 0xFFFF : K <= k0 ? 0 : static_cast<__mmask16>((1u << (K - k0)) - 1);
+  };
+  for (int64_t g = 0; g < K4 / kGroup; ++g) {
+    const int64_t k = g * kGroup;
+    const __m512 a = _mm512_maskz_loadu_ps(mask(k), x + k);
+    const __m512 b = _mm512_maskz_loadu_ps(mask(k + 16), x + k + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    if (!(amax > 0.0f)) {  // an all-zero group
+      std::memset(values + k, 0, kGroup);
+      scales[g] = 0.0f;
+      offsets[g] = 0;
+      continue;
+    }
+    const __m512 inv = _mm512_set1_ps(127.0f / amax);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));  // to nearest even
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(values + k), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(values + k + 16), _mm512_cvtsepi32_epi8(qb));
+    scales[g] = amax / 127.0f;
+    offsets[g] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  }
+}
+
 inline Q8Rows quantize_q8(const float* x, int64_t M, int64_t K, int64_t K4) {
   const int64_t G = K4 / kGroup;
   Q8Rows q{buffer<int8_t>(M * K4), buffer<float>(M * G), buffer<int32_t>(M * G)};
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t k = g * kGroup;
-        const auto mask = [&](int64_t k0) -> __mmask16 {
-          return K - k0 >= 16 ? 0xFFFF : K <= k0 ? 0 : static_cast<__mmask16>((1u << (K - k0)) - 1);
-        };
-        const __m512 a = _mm512_maskz_loadu_ps(mask(k), x + m * K + k);
-        const __m512 b = _mm512_maskz_loadu_ps(mask(k + 16), x + m * K + k + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-        if (!(amax > 0.0f)) {  // an all-zero group
-          std::memset(q.values.get() + m * K4 + k, 0, kGroup);
-          q.scales[m * G + g] = 0.0f;
-          q.offsets[m * G + g] = 0;
-          continue;
-        }
-        const __m512 inv = _mm512_set1_ps(127.0f / amax);
-        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));  // to nearest even
-        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.values.get() + m * K4 + k), _mm512_cvtsepi32_epi8(qa));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.values.get() + m * K4 + k + 16), _mm512_cvtsepi32_epi8(qb));
-        q.scales[m * G + g] = amax / 127.0f;
-        q.offsets[m * G + g] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-      }
+      quantize_q8_row(x + m * K, K, K4, q.values.get() + m * K4, q.scales.get() + m * G, q.offsets.get() + m * G);
   });
   return q;
 }
@@ -379,6 +402,44 @@ inline void run_pair(const Problem<W>& pr, int64_t M, int64_t P, int64_t q, int6
   }
 }
 
+// The problem restricted to rows [m0, m0 + kRowBlock), m0 a multiple of kRowBlock (whole tiles).
+template <typename W>
+inline Problem<W> rows_from(const Problem<W>& pr, int64_t m0) {
+  Problem<W> block = pr;
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    block.x = static_cast<const uint32_t*>(pr.x) + m0 * pr.KP / 2;
+  } else {
+    const int64_t G = pr.KP / kGroup;
+    block.x = static_cast<const int8_t*>(pr.x) + m0 * pr.KP;
+    block.group_scales = pr.group_scales + m0 * G;
+    block.group_offsets = pr.group_offsets + m0 * G;
+  }
+  block.y = pr.y + m0 * pr.ldy;
+  return block;
+}
+
+// Thread t of `threads`: its equal static share of the panel pairs over all M rows, each pair's tiles
+// requesting the next pair (run_pair). One row: tiles of one row in kStreams streams (run_streams),
+// or with silu_mul the gate and up panels as the two. For the M == 1 GEMM and for threads of one
+// region that run the ops of a step in turn (decode_stack.cpp), where no thread falls behind by more
+// than a barrier's wait.
+template <typename W>
+inline void run_share(const Problem<W>& pr, int64_t M, int64_t P, int64_t t, int64_t threads) {
+  const int64_t pairs = (P + 1) / 2, first = t * pairs / threads, last = (t + 1) * pairs / threads;
+  if (M == 1 && pr.up_panels) {
+    for (int64_t q = first; q < last; ++q) {
+      const int64_t panel[2] = {q, q + pr.up_panels};
+      run_tile<2, 1>(pr, 0, panel);
+    }
+  } else if (M == 1) {
+    run_streams(pr, 2 * first, std::min(P, 2 * last));
+  } else {
+    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock)
+      for (int64_t q = first; q < last; ++q)
+        run_pair(rows_from(pr, m0), std::min(kRowBlock, M - m0), P, q, q + 1 < last ? q + 1 : -1);
+  }
+}
+
 // ------------------------------------------------------------------------------- work sharing
 // A thread's share of a GEMM, units [front, back) packed in one atomic word: the owner takes units
 // from the front, a thread that ran out of its own work takes them from the back. Shares start
@@ -411,7 +472,7 @@ class alignas(64) Share {
 template <typename W>
 at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const at::Tensor& scale,
                   const at::Tensor& bias, int64_t N, bool silu_mul = false) {
-  const int64_t M = x.size(0), K = x.size(1), G = KP / kGroup, ldy = silu_mul ? N / 2 : N;
+  const int64_t M = x.size(0), K = x.size(1), ldy = silu_mul ? N / 2 : N;
   at::Tensor y = at::empty({M, ldy}, x.options());
   Buffer<uint32_t> xb;
   Q8Rows xq;
@@ -427,30 +488,12 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
     pr.group_scales = xq.scales.get();
     pr.group_offsets = xq.offsets.get();
   }
-  const auto rows_from = [&](int64_t m0) {  // the problem restricted to rows [m0, m0 + kRowBlock)
-    Problem<W> block = pr;
-    if constexpr (std::is_same_v<W, uint16_t>) {
-      block.x = xb.get() + m0 * KP / 2;
-    } else {
-      block.x = xq.values.get() + m0 * KP;
-      block.group_scales = xq.scales.get() + m0 * G;
-      block.group_offsets = xq.offsets.get() + m0 * G;
-    }
-    block.y = pr.y + m0 * ldy;
-    return block;
-  };
   const int64_t pairs = (P + 1) / 2;
-  if (M == 1 && silu_mul) {  // memory bound: gate and up panels are two streams already
-    at::parallel_for(0, pairs, 1, [&](int64_t b, int64_t e) {
-      for (int64_t q = b; q < e; ++q) {
-        const int64_t panel[2] = {q, q + P / 2};
-        run_tile<2, 1>(pr, 0, panel);
-      }
+  if (M == 1) {  // memory bound: equal static shares (run_share)
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), pairs);
+    at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) run_share(pr, 1, P, t, threads);
     });
-    return y;
-  }
-  if (M == 1) {  // memory bound: equal static shares of the panels, each read in kStreams streams
-    at::parallel_for(0, pairs, 1, [&](int64_t b, int64_t e) { run_streams(pr, 2 * b, std::min(P, 2 * e)); });
     return y;
   }
   // Units are (block of kRowBlock rows, panel pair). Thread t owns the pairs [t * pairs / T, (t + 1) *
@@ -464,7 +507,7 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
   const auto run_unit = [&](int64_t t, int64_t unit, bool own) {
     const int64_t first = first_pair(t), count = first_pair(t + 1) - first, m0 = unit / count * kRowBlock;
     const int64_t q = first + unit % count, next = own && unit % count + 1 < count ? q + 1 : -1;
-    run_pair(rows_from(m0), std::min(kRowBlock, M - m0), P, q, next);
+    run_pair(rows_from(pr, m0), std::min(kRowBlock, M - m0), P, q, next);
   };
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {

@@ -441,91 +441,122 @@ inline void attend_head(const float* const* q_rows, float* const* out_rows, cons
   }
 }
 
-// q: [tokens, num_heads, D] float32, token rows q_stride floats apart (heads contiguous within a row:
-// a view of a fused QKV output reads in place), the rows of sequence i at [query_start[i], query_start[i + 1]),
-// the last ones of its context of seq_lens[i] tokens (each attends to its position and before); no
-// query_start: one row per sequence. The cache halves: [num_blocks, Hkv, chunk_elems] bf16 or int8 in
-// the pair layout (see write_rows). out: like q. A sequence with no context gets zeros.
-//
-// A work item is a tile of a sequence's query tokens and all its kv heads (one table walk for all);
-// with too few tiles to keep the threads busy, one kv head. prepare(seq, kvh0, heads) runs first
-// in each item, on the thread that attends it (see decode_attention in paged_decode.h).
-template <int C, typename Cache, typename Prepare>
-void attend(const float* q, int64_t q_stride, const int32_t* query_start, const Cache* k_cache,
-            const Cache* v_cache, const int32_t* block_tables, const int32_t* seq_lens, float* out,
-            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t max_blocks, float scale,
-            const Prepare& prepare) {
-  constexpr int64_t D = 16 * C, kChunk = chunk_elems<Cache, C>();  // one kv head in a block half
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group);
-  const int64_t block_stride = num_kv_heads * kChunk;
-  const auto start = [&](int64_t seq) -> int64_t { return query_start ? query_start[seq] : seq; };
-  struct Item {
-    int64_t seq, first, tokens, kvh0, heads;  // query tokens [first, first + tokens), kv heads [kvh0, + heads)
-  };
-  int64_t tiles = 0;
-  for (int64_t seq = 0; seq < num_seqs; ++seq) tiles += (start(seq + 1) - start(seq) + tile_tokens - 1) / tile_tokens;
-  const int64_t heads_per_item = tiles >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+// A work item: a tile of a sequence's query tokens, [first, first + tokens), and kv heads [kvh0, kvh0 + heads).
+struct Item {
+  int64_t seq, first, tokens, kvh0, heads;
+};
+
+// The items of a step and which worker attends each (balance): they depend only on the sequences'
+// query rows and context lengths, so the layers of a decode step share one plan.
+struct Plan {
+  const int32_t* query_start;  // as in attend (nullptr: one row per sequence)
   std::vector<Item> items;
+  std::vector<std::vector<int64_t>> workers;  // [worker]: its items
+  int64_t start(int64_t seq) const { return query_start ? query_start[seq] : seq; }
+};
+
+// A work item is a tile of a sequence's query tokens and all its kv heads (one table walk for all);
+// with too few tiles to keep the threads busy, one kv head.
+inline Plan plan_items(const int32_t* query_start, const int32_t* seq_lens, int64_t num_seqs, int64_t group,
+                       int64_t num_kv_heads) {
+  Plan plan{query_start, {}, {}};
+  const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group);
+  int64_t tiles = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) tiles += (plan.start(seq + 1) - plan.start(seq) + tile_tokens - 1) / tile_tokens;
+  const int64_t heads_per_item = tiles >= 4 * at::get_num_threads() ? num_kv_heads : 1;
   std::vector<int64_t> costs;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
-    const int64_t q_len = start(seq + 1) - start(seq), seq_len = seq_lens[seq];
+    const int64_t q_len = plan.start(seq + 1) - plan.start(seq), seq_len = seq_lens[seq];
     for (int64_t first = 0; first < q_len; first += tile_tokens)
       for (int64_t kvh0 = 0; kvh0 < num_kv_heads; kvh0 += heads_per_item) {
         const int64_t tokens = std::min(tile_tokens, q_len - first);
-        items.push_back({seq, first, tokens, kvh0, heads_per_item});
+        plan.items.push_back({seq, first, tokens, kvh0, heads_per_item});
         // reads the context up to the tile's last token for its query rows; + per-item overhead
         const int64_t context = std::max<int64_t>(0, seq_len - q_len + first + tokens);
         costs.push_back(heads_per_item * (context * (tokens * group + 8) + 64 * kBlock));
       }
   }
-  const std::vector<std::vector<int64_t>> plan = balance(costs);
-  at::parallel_for(0, static_cast<int64_t>(plan.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<const Cache*> k_blocks, v_blocks;  // [heads][num_blocks]: each head's chunk of each block
-    std::vector<int64_t> row_len;
-    std::vector<const float*> q_rows;
-    std::vector<float*> out_rows;
-    Scratch scratch;
-    for (int64_t worker = begin; worker < end; ++worker) {
-      for (const int64_t index : plan[worker]) {
-        const Item& it = items[index];
-        prepare(it.seq, it.kvh0, it.heads);
-        const int64_t q_len = start(it.seq + 1) - start(it.seq), seq_len = seq_lens[it.seq];
-        const int64_t rows = it.tokens * group;  // per kv head: (token, query head of its group)
-        const auto row_of = [&](int64_t kvh, int64_t r) {  // [tokens, num_heads] index of a head's row r
-          return (start(it.seq) + it.first + r / group) * num_heads + kvh * group + r % group;
-        };
-        if (seq_len <= 0) {
-          for (int64_t h = it.kvh0; h < it.kvh0 + it.heads; ++h)
-            for (int64_t r = 0; r < rows; ++r) std::fill_n(out + row_of(h, r) * D, D, 0.0f);
-          continue;
-        }
-        const int64_t context = seq_len - q_len + it.first + it.tokens;  // keys the tile's last row sees
-        const int64_t num_blocks = (context + kBlock - 1) / kBlock;
-        const int32_t* table = block_tables + it.seq * max_blocks;
-        k_blocks.resize(it.heads * num_blocks);
-        v_blocks.resize(it.heads * num_blocks);
-        for (int64_t h = 0; h < it.heads; ++h)
-          for (int64_t j = 0; j < num_blocks; ++j) {
-            const int64_t offset = table[j] * block_stride + (it.kvh0 + h) * kChunk;
-            k_blocks[h * num_blocks + j] = k_cache + offset;
-            v_blocks[h * num_blocks + j] = v_cache + offset;
-          }
-        row_len.resize(rows);
-        q_rows.resize(rows);
-        out_rows.resize(rows);
-        for (int64_t r = 0; r < rows; ++r) row_len[r] = seq_len - q_len + it.first + r / group + 1;
-        for (int64_t h = 0; h < it.heads; ++h) {
-          for (int64_t r = 0; r < rows; ++r) {
-            const int64_t index = row_of(it.kvh0 + h, r);
-            q_rows[r] = q + index / num_heads * q_stride + index % num_heads * D;
-            out_rows[r] = out + row_of(it.kvh0 + h, r) * D;
-          }
-          attend_head<C, Cache>(q_rows.data(), out_rows.data(), row_len.data(), rows, k_blocks.data() + h * num_blocks,
-                         v_blocks.data() + h * num_blocks, num_blocks * kBlock, scale, scratch);
-        }
-      }
+  plan.workers = balance(costs);
+  return plan;
+}
+
+// One thread's buffers, reused from item to item (and layer to layer).
+template <typename Cache>
+struct Worker {
+  std::vector<const Cache*> k_blocks, v_blocks;  // [heads][num_blocks]: each head's chunk of each block
+  std::vector<int64_t> row_len;
+  std::vector<const float*> q_rows;
+  std::vector<float*> out_rows;
+  Scratch scratch;
+};
+
+// The items of plan.workers[worker]. q: [tokens, num_heads, D] float32, token rows q_stride floats
+// apart (heads contiguous within a row: a view of a fused QKV output reads in place), the rows of
+// sequence i at [query_start[i], query_start[i + 1]), the last ones of its context of seq_lens[i]
+// tokens (each attends to its position and before). The cache halves: [num_blocks, Hkv, chunk_elems]
+// bf16 or int8 in the pair layout (see write_rows). out: like q. A sequence with no context gets
+// zeros. prepare(seq, kvh0, heads) runs first in each item, on the thread that attends it (see
+// decode_attention in paged_decode.h).
+template <int C, typename Cache, typename Prepare>
+void attend_worker(const Plan& plan, int64_t worker, const float* q, int64_t q_stride, const Cache* k_cache,
+                   const Cache* v_cache, const int32_t* block_tables, const int32_t* seq_lens, float* out,
+                   int64_t num_heads, int64_t num_kv_heads, int64_t max_blocks, float scale, const Prepare& prepare,
+                   Worker<Cache>& w) {
+  constexpr int64_t D = 16 * C, kChunk = chunk_elems<Cache, C>();  // one kv head in a block half
+  const int64_t group = num_heads / num_kv_heads, block_stride = num_kv_heads * kChunk;
+  for (const int64_t index : plan.workers[worker]) {
+    const Item& it = plan.items[index];
+    prepare(it.seq, it.kvh0, it.heads);
+    const int64_t q_len = plan.start(it.seq + 1) - plan.start(it.seq), seq_len = seq_lens[it.seq];
+    const int64_t rows = it.tokens * group;  // per kv head: (token, query head of its group)
+    const auto row_of = [&](int64_t kvh, int64_t r) {  // [tokens, num_heads] index of a head's row r
+      return (plan.start(it.seq) + it.first + r / group) * num_heads + kvh * group + r % group;
+    };
+    if (seq_len <= 0) {
+      for (int64_t h = it.kvh0; h < it.kvh0 + it.heads; ++h)
+        for (int64_t r = 0; r < rows; ++r) std::fill_n(out + row_of(h, r) * D, D, 0.0f);
+      continue;
     }
+    const int64_t context = seq_len - q_len + it.first + it.tokens;  // keys the tile's last row sees
+    const int64_t num_blocks = (context + kBlock - 1) / kBlock;
+    const int32_t* table = block_tables + it.seq * max_blocks;
+    w.k_blocks.resize(it.heads * num_blocks);
+    w.v_blocks.resize(it.heads * num_blocks);
+    for (int64_t h = 0; h < it.heads; ++h)
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        const int64_t offset = table[j] * block_stride + (it.kvh0 + h) * kChunk;
+        w.k_blocks[h * num_blocks + j] = k_cache + offset;
+        w.v_blocks[h * num_blocks + j] = v_cache + offset;
+      }
+    w.row_len.resize(rows);
+    w.q_rows.resize(rows);
+    w.out_rows.resize(rows);
+    for (int64_t r = 0; r < rows; ++r) w.row_len[r] = seq_len - q_len + it.first + r / group + 1;
+    for (int64_t h = 0; h < it.heads; ++h) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t index = row_of(it.kvh0 + h, r);
+        w.q_rows[r] = q + index / num_heads * q_stride + index % num_heads * D;
+        w.out_rows[r] = out + index * D;
+      }
+      attend_head<C, Cache>(w.q_rows.data(), w.out_rows.data(), w.row_len.data(), rows,
+                            w.k_blocks.data() + h * num_blocks, w.v_blocks.data() + h * num_blocks,
+                            num_blocks * kBlock, scale, w.scratch);
+    }
+  }
+}
+
+// Every item of a step over the threads (attend_worker's arguments, num_seqs sequences).
+template <int C, typename Cache, typename Prepare>
+void attend(const float* q, int64_t q_stride, const int32_t* query_start, const Cache* k_cache,
+            const Cache* v_cache, const int32_t* block_tables, const int32_t* seq_lens, float* out,
+            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t max_blocks, float scale,
+            const Prepare& prepare) {
+  const Plan plan = plan_items(query_start, seq_lens, num_seqs, num_heads / num_kv_heads, num_kv_heads);
+  at::parallel_for(0, static_cast<int64_t>(plan.workers.size()), 1, [&](int64_t begin, int64_t end) {
+    Worker<Cache> w;
+    for (int64_t worker = begin; worker < end; ++worker)
+      attend_worker<C>(plan, worker, q, q_stride, k_cache, v_cache, block_tables, seq_lens, out, num_heads,
+                       num_kv_heads, max_blocks, scale, prepare, w);
   });
 }
 

@@ -468,6 +468,21 @@ inline torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor
 }
 
 #ifdef TM_ATTN_AVX512
+// A decode row's work before it attends, for kv heads [kvh0, kvh0 + heads): rotate (rotate(head): one
+// [head_dim] float32 head, in place) their query heads and keys, and write the keys and values into
+// the row's cache slot (cache: the pair layout, V at cache + half). row: [(num_heads + 2 Hkv) * head_dim].
+template <typename Cache, typename Rotate>
+inline void rotate_and_write(float* row, int64_t kvh0, int64_t heads, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t slot, Cache* cache, int64_t half, const Rotate& rotate) {
+  const int64_t group = num_heads / num_kv_heads;
+  for (int64_t h = kvh0; h < kvh0 + heads; ++h) {
+    for (int64_t g = h * group; g < (h + 1) * group; ++g) rotate(row + g * head_dim);
+    float* k = row + (num_heads + h) * head_dim;
+    rotate(k);
+    avx512::write_head(k, k + num_kv_heads * head_dim, slot, cache, cache + half, h, num_kv_heads, head_dim);
+  }
+}
+
 // Decode attention (one new token per sequence) straight from the QKV projection's rows, in one
 // pass over the threads: each work item first rotates its own sequence's query and key heads in
 // place (rotate(head, seq): one [head_dim] float32 head of sequence seq's row) and writes that key
@@ -484,25 +499,17 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, int64_t num_heads, cons
                   qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
               "qkv: [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim] float32");
   check_slots(slots, rows, kv_cache.size(1) * kv_cache.size(2));
-  const int64_t group = num_heads / num_kv_heads, q_size = num_heads * head_dim, half = kv_cache.numel() / 2;
   float* base = qkv.data_ptr<float>();
-  const int64_t stride = qkv.stride(0);
   const auto prepare = [&](int64_t seq, int64_t kvh0, int64_t heads) {
-    float* row = base + seq * stride;
-    for (int64_t h = kvh0; h < kvh0 + heads; ++h) {
-      for (int64_t g = h * group; g < (h + 1) * group; ++g) rotate(row + g * head_dim, seq);
-      float* k = row + q_size + h * head_dim;
-      rotate(k, seq);
-      const float* v = k + num_kv_heads * head_dim;
-      if (kv_cache.scalar_type() == at::kChar) {
-        int8_t* cache = kv_cache.data_ptr<int8_t>();
-        avx512::write_head(k, v, slots[seq], cache, cache + half, h, num_kv_heads, head_dim);
-      } else {
-        at::BFloat16* cache = kv_cache.data_ptr<at::BFloat16>();
-        avx512::write_head(k, v, slots[seq], cache, cache + half, h, num_kv_heads, head_dim);
-      }
-    }
+    float* row = base + seq * qkv.stride(0);
+    if (kv_cache.scalar_type() == at::kChar)
+      rotate_and_write(row, kvh0, heads, num_heads, num_kv_heads, head_dim, slots[seq], kv_cache.data_ptr<int8_t>(),
+                       kv_cache.numel() / 2, [&](float* head) { rotate(head, seq); });
+    else
+      rotate_and_write(row, kvh0, heads, num_heads, num_kv_heads, head_dim, slots[seq],
+                       kv_cache.data_ptr<at::BFloat16>(), kv_cache.numel() / 2, [&](float* head) { rotate(head, seq); });
   };
+  const int64_t q_size = num_heads * head_dim;
   const auto q = qkv.narrow(1, 0, q_size).view({rows, num_heads, head_dim});  // read in place
   return paged_attention_with(q, kv_cache, block_tables, seq_lens, std::nullopt, scale, prepare);
 }
