@@ -62,15 +62,20 @@ def test_fused_decode_matches_layer_by_layer(
                 assert g_step[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
 
 
+# 11 sequences: a whole bf16 row tile of 8 and a part tile, split between the threads of one region.
+MANY_PROMPTS = [list(range(3 + i, 10 + 3 * i)) for i in range(11)]
+
+
 @pytest.mark.parametrize(
-    "precision",
-    [{}, {"kv_cache_dtype": "int8"}, {"quantization": "int8", "kv_cache_dtype": "int8"}],
+    ("precision", "prompts"),
+    [({}, PROMPTS), ({"kv_cache_dtype": "int8"}, PROMPTS), ({"quantization": "int8", "kv_cache_dtype": "int8"}, PROMPTS),
+     ({}, MANY_PROMPTS), ({"quantization": "int8", "kv_cache_dtype": "int8"}, MANY_PROMPTS)],
 )
 def test_fused_decode_with_the_avx512_attention_matches_layer_by_layer(
-    tmp_path: Path, precision: dict[str, str]
+    tmp_path: Path, precision: dict[str, str], prompts: list[list[int]]
 ) -> None:
-    """head_dim 32 on a bf16 or int8 cache: the stack's attention items rotate their own rows and write
-    them into the cache (attn::decode_attention) instead of the serial rotary and cache-write passes."""
+    """head_dim 32 on a bf16 or int8 cache: the stack runs a step's ops in one parallel region, its
+    attention items rotating their own rows and writing them into the cache (attn::decode_attention)."""
     folder = make_tiny_model(tmp_path / "llama", "llama", head_dim=32)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
     fused = LLM(model=str(folder), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=16, **precision)
@@ -79,9 +84,11 @@ def test_fused_decode_with_the_avx512_attention_matches_layer_by_layer(
     eager = LLM(model=str(folder), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=16,
                 enforce_eager=True, **precision)
     assert fused.engine.runner.fused_decode_off_reason is None
+    stack = fused.engine.runner.model.fused_decode
     calls = _count_fused_calls(fused)
-    got = fused.generate(PROMPTS, params, use_tqdm=False)
-    want = eager.generate(PROMPTS, params, use_tqdm=False)
+    got = fused.generate(prompts, params, use_tqdm=False)
+    want = eager.generate(prompts, params, use_tqdm=False)
+    assert stack._stack.one_region
     assert len(calls) >= params.max_tokens - 1
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids

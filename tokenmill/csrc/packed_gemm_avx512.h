@@ -57,62 +57,48 @@ Buffer<T> buffer(int64_t n) { return Buffer<T>(new T[n]); }
 // (x[k], x[k+1]) pairs, K2 = K rounded up to even (a zero pads odd K). A tile's kRows broadcasts of
 // one k pair then read 32 consecutive bytes through one pointer. Per 8 pairs of a tile, the 8 rows'
 // converted pairs are transposed in registers (8 x 8 32-bit values); rows past M are zeros.
-static_assert(kRows == 8, "bf16_tiles transposes 8 x 8 blocks");
+static_assert(kRows == 8, "bf16_tile transposes 8 x 8 blocks");
+// One tile: rows [0, rows) of x ([rows, K] float32, rows <= kRows) into dst ([K2 / 2][kRows] pairs).
+inline void bf16_tile(const float* x, int64_t rows, int64_t K, int64_t K2, uint32_t* dst) {
+  for (int64_t k = 0; k < K2; k += 16) {  // 8 pairs; masked loads read zeros past K
+    const __mmask16 mask = K - k >= 16 ? 0xFFFF : K <= k ? 0 : static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m256i v[kRows];  // v[i]: row i's 8 pairs
+    for (int i = 0; i < kRows; ++i) {
+      const __m512 f = i < rows ? _mm512_maskz_loadu_ps(mask, x + i * K + k) : _mm512_setzero_ps();
+      v[i] = (__m256i)_mm512_cvtneps_pbh(f);
+    }
+    __m256i t[kRows], u[kRows];
+    for (int i = 0; i < kRows; i += 2) {  // t[i]: rows i, i+1 interleaved (pairs 0 1 4 5), t[i+1]: (2 3 6 7)
+      t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+      t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int h = 0; h < kRows; h += 4) {  // u[h + j]: 4 rows of pair j | pair j + 4
+      u[h + 0] = _mm256_unpacklo_epi64(t[h], t[h + 2]);
+      u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);
+      u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]);
+      u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]);
+    }
+    const int64_t count = std::min<int64_t>(8, (K2 - k) / 2);  // pairs of this block
+    for (int j = 0; j < 4; ++j) {
+      if (j < count)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (k / 2 + j) * kRows),
+                            _mm256_permute2x128_si256(u[j], u[4 + j], 0x20));
+      if (j + 4 < count)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (k / 2 + j + 4) * kRows),
+                            _mm256_permute2x128_si256(u[j], u[4 + j], 0x31));
+    }
+  }
+}
+
 inline Buffer<uint32_t> bf16_tiles(const float* x, int64_t M, int64_t K, int64_t K2) {
   const int64_t pairs = K2 / 2, tiles = (M + kRows - 1) / kRows;
   Buffer<uint32_t> out = buffer<uint32_t>(tiles * pairs * kRows);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t rows = std::min<int64_t>(kRows, M - tile * kRows);
-      uint32_t* dst = out.get() + tile * pairs * kRows;
-      for (int64_t k = 0; k < K2; k += 16) {  // 8 pairs; masked loads read zeros past K
-        const __mmask16 mask = K - k >= 16 ? 0xFFFF : K <= k ? 0 : static_cast<__mmask16>((1u << (K - k)) - 1);
-        __m256i v[kRows];  // v[i]: row i's 8 pairs
-        for (int i = 0; i < kRows; ++i) {
-          const __m512 f = i < rows ? _mm512_maskz_loadu_ps(mask, x + (tile * kRows + i) * K + k) : _mm512_setzero_ps();
-          v[i] = (__m256i)_mm512_cvtneps_pbh(f);
-        }
-        __m256i t[kRows], u[kRows];
-        for (int i = 0; i < kRows; i += 2) {  // t[i]: rows i, i+1 interleaved (pairs 0 1 4 5), t[i+1]: (2 3 6 7)
-          t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
-          t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
-        }
-        for (int h = 0; h < kRows; h += 4) {  // u[h + j]: 4 rows of pair j | pair j + 4
-          u[h + 0] = _mm256_unpacklo_epi64(t[h], t[h + 2]);
-          u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);
-          u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]);
-          u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]);
-        }
-        const int64_t count = std::min<int64_t>(8, (K2 - k) / 2);  // pairs of this block
-        for (int j = 0; j < 4; ++j) {
-          if (j < count)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (k / 2 + j) * kRows),
-                                _mm256_permute2x128_si256(u[j], u[4 + j], 0x20));
-          if (j + 4 < count)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (k / 2 + j + 4) * kRows),
-                                _mm256_permute2x128_si256(u[j], u[4 + j], 0x31));
-        }
-      }
-    }
+    for (int64_t tile = begin; tile < end; ++tile)
+      bf16_tile(x + tile * kRows * K, std::min<int64_t>(kRows, M - tile * kRows), K, K2,
+                out.get() + tile * pairs * kRows);
   });
   return out;
-}
-
-// Row x[0, K) into its column of a bf16_tiles tile: tile[i * kRows] holds pair i (K2 = K rounded up
-// to even; a zero pads odd K), rounded as bf16_tiles rounds. For rows prepared one at a time (see
-// run_share); the tile's other rows are left as they are.
-inline void bf16_row(const float* x, int64_t K, int64_t K2, uint32_t* tile) {
-  const __m512i pair_rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32(kRows));
-  for (int64_t k = 0; k < K2; k += 32) {  // 16 pairs; masked loads read zeros past K
-    const auto mask = [&](int64_t k0) -> __mmask16 {
-      return K - k0 >= 16 ? 0xFFFF : K <= k0 ? 0 : static_cast<__mmask16>((1u << (K - k0)) - 1);
-    };
-    const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(mask(k + 16), x + k + 16),
-                                                       _mm512_maskz_loadu_ps(mask(k), x + k));
-    const int64_t count = std::min<int64_t>(16, (K2 - k) / 2);
-    _mm512_mask_i32scatter_epi32(tile + k / 2 * kRows, static_cast<__mmask16>((1u << count) - 1), pair_rows, pairs, 4);
-  }
 }
 
 inline __m512i broadcast_pair(const void* p) {  // one 32-bit (x[k], x[k+1]) pair (or int8 quad) to all 16 lanes

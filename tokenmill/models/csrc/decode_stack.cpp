@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -76,6 +77,9 @@ class DecodeStack {
                        std::move(gate_up), std::move(down), std::move(kv_cache)});
 #ifdef TM_DECODE_TEAM
     team_serves_ = team_serves_ && team_serves(layers_.back());
+    const Layer& added = layers_.back();
+    for (const PackedLinear* w : {&added.qkv, &added.o, &added.gate_up, &added.down})
+      bf16_rows_ = bf16_rows_ || std::get<0>(*w).scalar_type() == at::kBFloat16;
 #endif
   }
 
@@ -176,16 +180,27 @@ class DecodeStack {
             at::empty({M * kp / gemm::avx512::kGroup}, i32), at::empty({(M + 7) / 8 * 8 * kp / 2}, i32)};
   }
 
-  // Row m of x ([K] float32, K the GEMM's in-features) into rows, as w's GEMM reads it.
-  static void prepare_row(const PackedLinear& w, const float* x, int64_t K, int64_t m, Rows& rows) {
+  // Rows [m0, m1) of x ([M, K] float32, K the GEMM's in-features) into rows, as w's GEMM reads
+  // them; bf16 rows in whole tiles from m0, a multiple of kRows (as row_share's shares start).
+  static void prepare_rows(const PackedLinear& w, const float* x, int64_t K, int64_t m0, int64_t m1, Rows& rows) {
     const at::Tensor& weight = std::get<0>(w);
     const int64_t KP = weight.size(1), G = KP / gemm::avx512::kGroup;
-    if (weight.scalar_type() == at::kChar)
-      gemm::avx512::quantize_q8_row(x, K, KP, rows.values.data_ptr<int8_t>() + m * KP,
-                                    rows.scales.data_ptr<float>() + m * G, rows.offsets.data_ptr<int32_t>() + m * G);
-    else
-      gemm::avx512::bf16_row(x, K, KP, reinterpret_cast<uint32_t*>(rows.tiles.data_ptr<int32_t>()) +
-                                           m / gemm::avx512::kRows * KP / 2 * gemm::avx512::kRows + m % gemm::avx512::kRows);
+    constexpr int64_t kTile = gemm::avx512::kRows;
+    for (int64_t m = m0; m < m1; m += weight.scalar_type() == at::kChar ? 1 : kTile) {
+      if (weight.scalar_type() == at::kChar)
+        gemm::avx512::quantize_q8_row(x + m * K, K, KP, rows.values.data_ptr<int8_t>() + m * KP,
+                                      rows.scales.data_ptr<float>() + m * G, rows.offsets.data_ptr<int32_t>() + m * G);
+      else
+        gemm::avx512::bf16_tile(x + m * K, std::min(kTile, m1 - m), K, KP,
+                                reinterpret_cast<uint32_t*>(rows.tiles.data_ptr<int32_t>()) + m * KP / 2);
+    }
+  }
+
+  // Thread t's rows of M: an equal share, in whole bf16 tiles where any GEMM takes bf16 rows (a
+  // tile's rows interleave in every cache line: two threads writing one tile contend for its lines).
+  std::pair<int64_t, int64_t> row_share(int64_t M, int64_t t, int64_t threads) const {
+    const int64_t unit = bf16_rows_ ? gemm::avx512::kRows : 1, units = (M + unit - 1) / unit;
+    return {std::min(M, t * units / threads * unit), std::min(M, (t + 1) * units / threads * unit)};
   }
 
   // Thread t's share of w's GEMM over the M prepared rows: y [M, N] (silu_mul: [M, N / 2]).
@@ -243,10 +258,12 @@ class DecodeStack {
     const int64_t inter = h.size(1);
     const float eps = static_cast<float>(eps_);
     Team::run([&](Team& team, int64_t t) {
-      const int64_t T = team.size(), r0 = t * B / T, r1 = (t + 1) * B / T;  // this thread's rows
+      const int64_t T = team.size();
+      const std::pair<int64_t, int64_t> share = row_share(B, t, T);
+      const int64_t r0 = share.first, r1 = share.second;  // this thread's rows
       attn::avx512::Worker<int8_t> int8_worker;
       attn::avx512::Worker<at::BFloat16> bf16_worker;
-      for (int64_t m = r0; m < r1; ++m) prepare_row(layers_[0].qkv, xp + m * hidden, hidden, m, rows);
+      prepare_rows(layers_[0].qkv, xp, hidden, r0, r1, rows);
       for (size_t l = 0; l < layers_.size(); ++l) {
         const Layer& layer = layers_[l];
         team.sync();
@@ -270,26 +287,24 @@ class DecodeStack {
         if (layer.kv_cache.scalar_type() == at::kChar) attend(layer.kv_cache.data_ptr<int8_t>(), int8_worker);
         else attend(layer.kv_cache.data_ptr<at::BFloat16>(), bf16_worker);
         team.sync();
-        for (int64_t m = r0; m < r1; ++m) prepare_row(layer.o, attn_p + m * q_size, q_size, m, rows);
+        prepare_rows(layer.o, attn_p, q_size, r0, r1, rows);
         team.sync();
         gemm_share(layer.o, rows, B, xp, false, t, T);  // x <- the attention's output projection
         team.sync();
-        for (int64_t m = r0; m < r1; ++m) {
+        for (int64_t m = r0; m < r1; ++m)
           ops::add_rms_norm_row(xp + m * hidden, rp + m * hidden, layer.post_attention_norm.data_ptr<float>(), hidden, eps);
-          prepare_row(layer.gate_up, xp + m * hidden, hidden, m, rows);
-        }
+        prepare_rows(layer.gate_up, xp, hidden, r0, r1, rows);
         team.sync();
         gemm_share(layer.gate_up, rows, B, hp, true, t, T);
         team.sync();
-        for (int64_t m = r0; m < r1; ++m) prepare_row(layer.down, hp + m * inter, inter, m, rows);
+        prepare_rows(layer.down, hp, inter, r0, r1, rows);
         team.sync();
         gemm_share(layer.down, rows, B, xp, false, t, T);  // x <- the MLP's output
         team.sync();
         const at::Tensor& next_norm = l + 1 < layers_.size() ? layers_[l + 1].input_norm : final_norm_;
-        for (int64_t m = r0; m < r1; ++m) {
+        for (int64_t m = r0; m < r1; ++m)
           ops::add_rms_norm_row(xp + m * hidden, rp + m * hidden, next_norm.data_ptr<float>(), hidden, eps);
-          if (l + 1 < layers_.size()) prepare_row(layers_[l + 1].qkv, xp + m * hidden, hidden, m, rows);
-        }
+        if (l + 1 < layers_.size()) prepare_rows(layers_[l + 1].qkv, xp, hidden, r0, r1, rows);
       }
     });
     return x;
@@ -297,6 +312,7 @@ class DecodeStack {
 
   bool team_serves_ = true;  // every layer so far qualifies (team_serves)
   bool team_on_ = true;
+  bool bf16_rows_ = false;  // some GEMM takes bf16 row tiles (row_share)
 #endif
 
   // Copy each row's k and v heads (after rotary) into its cache slot of a plain [.., Hkv, D] cache
