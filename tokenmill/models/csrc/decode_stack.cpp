@@ -63,6 +63,7 @@ class DecodeStack {
     TORCH_CHECK(cos_.dim() == 2 && cos_.size(1) == head_dim / 2 && cos_.sizes() == sin_.sizes() &&
                 cos_.scalar_type() == at::kFloat && sin_.scalar_type() == at::kFloat,
                 "cos, sin: [max_position, head_dim / 2] float32");
+    check_norm(final_norm_, "final_norm");
   }
 
   void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, PackedLinear qkv, PackedLinear o,
@@ -73,6 +74,8 @@ class DecodeStack {
                 attn::cache_head_dim(kv_cache) == head_dim_,
                 "kv_cache: contiguous [2, num_blocks, block_size, Hkv, D] float32 or bf16 (or int8 where paged_attention serves it)");
     TORCH_CHECK(std::get<3>(qkv) == (num_heads_ + 2 * num_kv_heads_) * head_dim_, "qkv width");
+    check_norm(input_norm, "input_norm");
+    check_norm(post_attention_norm, "post_attention_norm");
     layers_.push_back({std::move(input_norm), std::move(post_attention_norm), std::move(qkv), std::move(o),
                        std::move(gate_up), std::move(down), std::move(kv_cache)});
 #ifdef TM_DECODE_TEAM
@@ -154,6 +157,13 @@ class DecodeStack {
   }
 
  private:
+  // forward_team reads the norms' weights as raw float32 rows inside its parallel region, where a
+  // failed check could not throw: check them here.
+  void check_norm(const at::Tensor& weight, const char* name) const {
+    TORCH_CHECK(weight.dim() == 1 && weight.size(0) == embedding_.size(1) && weight.is_contiguous() &&
+                weight.scalar_type() == at::kFloat, name, ": [hidden] float32, contiguous");
+  }
+
 #ifdef TM_DECODE_TEAM
   // Whether forward_team runs a layer: packed AVX-512 GEMMs ([gate | up] in whole panels) and a
   // cache in paged_attention's pair layout.
