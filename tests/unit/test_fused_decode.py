@@ -117,3 +117,32 @@ def test_fused_decode_rebinds_a_new_kv_cache(llama_model: Path, monkeypatch: pyt
     again = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
     assert runner.model.fused_decode._caches[0] is runner.kv_caches[0]
+
+
+def test_fused_decode_refuses_a_malformed_layer_before_keeping_it(tmp_path: Path) -> None:
+    """The one-region path reads weights as raw memory inside its threads, where nothing may throw: a
+    layer whose packed shapes or norm dtype are wrong is refused when it is added, and not kept."""
+    from tokenmill import cpu_extensions
+    from tokenmill.models.fused_decode import _packed
+
+    folder = make_tiny_model(tmp_path / "llama", "llama", head_dim=32)
+    llm = LLM(model=str(folder), dtype="bfloat16", quantization="int8", kv_cache_dtype="int8", num_kv_blocks=64)
+    if not llm.engine.runner.backend.serves_int8_cache(16, 2, 32):  # type: ignore[attr-defined]
+        pytest.skip("the AVX-512 BF16 attention kernel is not built here")
+    model = llm.engine.runner.model
+    attn, mlp, layer = model.layers[0].self_attn, model.layers[0].mlp, model.layers[0]
+    stack = cpu_extensions.load("decode_stack").DecodeStack(
+        attn.num_heads, attn.num_kv_heads, attn.head_dim, model.norm.eps, attn.scale, model.norm.weight,
+        model.embed_tokens.weight, model.rotary.cos, model.rotary.sin,
+    )
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    linears = [_packed(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    packed, scale, bias, out_features = linears[3]
+    short_scale = (packed, scale[:-16], bias, out_features)
+    with pytest.raises(RuntimeError, match="scale, bias"):
+        stack.add_layer(*norms, *linears[:3], short_scale, attn.kv_cache)
+    with pytest.raises(RuntimeError, match="input_norm"):
+        stack.add_layer(norms[0].double(), norms[1], *linears, attn.kv_cache)
+    assert stack.num_layers == 0
+    stack.add_layer(*norms, *linears, attn.kv_cache)
+    assert stack.num_layers == 1 and stack.one_region

@@ -436,12 +436,13 @@ inline bool halves_of_whole_panels(int64_t P, int64_t N) { return N == P * kPane
 // scale, bias: [P * 16] float32
 // (scale all ones for bf16) -> [M, N] float32. With silu_mul (the outputs are [gate | up] halves of
 // whole panels: N == 16 P, P even) -> [M, N / 2], silu(gate) * up.
-inline at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                                const at::Tensor& bias, int64_t N, bool silu_mul) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [M, K] float32");
+// Throws unless packed ([P, KP, 16] int8 or bf16), scale and bias ([P * 16] float32) make a GEMM of
+// K in-features and N out-features (with silu_mul: [gate | up] halves of whole panels).
+inline void check_packed(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& bias, int64_t K,
+                         int64_t N, bool silu_mul) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
               "packed: contiguous [P, K, 16]");
-  const int64_t K = x.size(1), P = packed.size(0), KP = packed.size(1);
+  const int64_t P = packed.size(0), KP = packed.size(1);
   const bool int8 = packed.scalar_type() == at::kChar;
   TORCH_CHECK(int8 || packed.scalar_type() == at::kBFloat16, "packed weights must be int8 or bfloat16");
 #ifdef TM_AVX512  // bf16 panels in k pairs, int8 in k quads of whole groups (quant/panels.py)
@@ -450,8 +451,18 @@ inline at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, c
   const int64_t expected = int8 ? K + K % 2 : K;
 #endif
   TORCH_CHECK(KP == expected, "x has ", K, " features, the weight ", KP, " (expected ", expected, ")");
-  TORCH_CHECK(P * kPanel >= N && scale.numel() == P * kPanel && bias.numel() == P * kPanel, "bad scale/bias");
+  TORCH_CHECK(P * kPanel >= N && scale.numel() == P * kPanel && bias.numel() == P * kPanel &&
+              scale.scalar_type() == at::kFloat && bias.scalar_type() == at::kFloat && scale.is_contiguous() &&
+              bias.is_contiguous(), "scale, bias: contiguous [P * 16] float32");
   TORCH_CHECK(!silu_mul || halves_of_whole_panels(P, N), "silu_mul needs [gate | up] halves of whole panels");
+}
+
+inline at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                const at::Tensor& bias, int64_t N, bool silu_mul) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [M, K] float32");
+  check_packed(packed, scale, bias, x.size(1), N, silu_mul);
+  const int64_t P = packed.size(0), KP = packed.size(1);
+  const bool int8 = packed.scalar_type() == at::kChar;
 #ifdef TM_AVX512  // the activation in the GEMM's epilogue
   if (int8) return avx512::linear(x, packed.data_ptr<int8_t>(), P, KP, scale, bias, N, silu_mul);
   return avx512::linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, KP, scale, bias,

@@ -76,14 +76,25 @@ class DecodeStack {
     TORCH_CHECK(std::get<3>(qkv) == (num_heads_ + 2 * num_kv_heads_) * head_dim_, "qkv width");
     check_norm(input_norm, "input_norm");
     check_norm(post_attention_norm, "post_attention_norm");
-    layers_.push_back({std::move(input_norm), std::move(post_attention_norm), std::move(qkv), std::move(o),
-                       std::move(gate_up), std::move(down), std::move(kv_cache)});
+    Layer layer{std::move(input_norm), std::move(post_attention_norm), std::move(qkv), std::move(o),
+                std::move(gate_up), std::move(down), std::move(kv_cache)};
 #ifdef TM_DECODE_TEAM
-    team_serves_ = team_serves_ && team_serves(layers_.back());
-    const Layer& added = layers_.back();
-    for (const PackedLinear* w : {&added.qkv, &added.o, &added.gate_up, &added.down})
+    const bool serves = team_serves(layer);
+    if (serves) {  // forward_team trusts these shapes inside its region: check them before keeping the layer
+      const int64_t hidden = embedding_.size(1);
+      const auto check = [](const PackedLinear& w, int64_t K, bool silu_mul) {
+        gemm::check_packed(std::get<0>(w), std::get<1>(w), std::get<2>(w), K, std::get<3>(w), silu_mul);
+      };
+      check(layer.qkv, hidden, false);
+      check(layer.o, num_heads_ * head_dim_, false);
+      check(layer.gate_up, hidden, true);
+      check(layer.down, std::get<3>(layer.gate_up) / 2, false);
+    }
+    team_serves_ = team_serves_ && serves;
+    for (const PackedLinear* w : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
       bf16_rows_ = bf16_rows_ || std::get<0>(*w).scalar_type() == at::kBFloat16;
 #endif
+    layers_.push_back(std::move(layer));
   }
 
   // input_ids, positions: [B] int64 (each sequence's new token); slot_mapping: [B] int64;
