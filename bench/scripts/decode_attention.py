@@ -1,8 +1,10 @@
 """Decode attention alone, a bf16 against an int8 KV cache: one step's paged attention over every layer
 of the SmolLM2-135M shape (30 layers, 9 query heads on 3 kv heads of 64), contexts in blocks scattered
-through the pool as a long-running server's are. Median of 3 timings of 5 steps each, per cache dtype.
+through the pool as a long-running server's are. Before each timed step a 256 MiB read evicts the
+caches, as a decode step's weight stream does in the engine (--warm: no eviction; an int8 cache of
+8 x 256 tokens, 24 MB, then sits in L3). Median of 9 steps per cache dtype.
 
-Usage: .venv/bin/python bench/scripts/decode_attention.py [--shapes 1x300 8x250 32x200] [--threads 2]
+Usage: .venv/bin/python bench/scripts/decode_attention.py [--shapes 1x300 8x250 32x200] [--threads 2] [--warm]
 (each shape: sequences x context tokens)
 """
 
@@ -20,7 +22,9 @@ from tokenmill.attention.pair_layout import cache_row_width
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 
 
-def step_seconds(kernels: object, num_seqs: int, context: int, cache_dtype: torch.dtype) -> float:
+def step_seconds(
+    kernels: object, num_seqs: int, context: int, cache_dtype: torch.dtype, evict: torch.Tensor | None
+) -> float:
     gen = torch.Generator().manual_seed(0)
     blocks_per_seq = -(-context // BLOCK)
     num_blocks = num_seqs * blocks_per_seq + 8
@@ -42,11 +46,12 @@ def step_seconds(kernels: object, num_seqs: int, context: int, cache_dtype: torc
 
     one_step()
     timings = []
-    for _ in range(3):
+    for _ in range(9):
+        if evict is not None:
+            evict.sum()
         start = time.perf_counter()
-        for _ in range(5):
-            one_step()
-        timings.append((time.perf_counter() - start) / 5)
+        one_step()
+        timings.append(time.perf_counter() - start)
     return statistics.median(timings)
 
 
@@ -54,18 +59,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1x300", "8x250", "32x200", "32x360"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--warm", action="store_true", help="no cache eviction between steps")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = cpu_extensions.load("paged_decode")
     probe = torch.zeros(2, 1, BLOCK, KV_HEADS, cache_row_width(HEAD_DIM, "int8"), dtype=torch.int8)
     if kernels is None or not kernels.avx512_supports(probe):
         raise SystemExit("an int8 KV cache needs the AVX-512 BF16 and VNNI attention kernel, not on this CPU")
-    print(f"decode attention, {LAYERS} layers, {args.threads} threads, ms per step (median of 3)")
+    evict = None if args.warm else torch.ones(64 << 20)  # [64 Mi] float32: 256 MiB
+    caches_note = "warm caches" if args.warm else "caches evicted before each step"
+    print(f"decode attention, {LAYERS} layers, {args.threads} threads, {caches_note}, ms per step (median of 9)")
     print("| sequences x context | bf16 cache ms | int8 cache ms | bf16 / int8 |\n|---|---|---|---|")
     for shape in args.shapes:
         num_seqs, context = (int(x) for x in shape.split("x"))
-        bf16 = step_seconds(kernels, num_seqs, context, torch.bfloat16)
-        int8 = step_seconds(kernels, num_seqs, context, torch.int8)
+        bf16 = step_seconds(kernels, num_seqs, context, torch.bfloat16, evict)
+        int8 = step_seconds(kernels, num_seqs, context, torch.int8, evict)
         print(f"| {num_seqs} x {context} | {bf16 * 1e3:.2f} | {int8 * 1e3:.2f} | {bf16 / int8:.2f}x |")
 
 

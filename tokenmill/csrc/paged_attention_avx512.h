@@ -36,6 +36,9 @@ constexpr int kValueAccumulators = 24;  // value pass: rows x (head_dim / 16) ve
 // of its int8 ones (1 KB chunks: 2 blocks ahead left int8 decode at 32 rows ~25% slower; 4 and 8 close).
 template <typename Cache>
 constexpr int64_t ahead_blocks() { return std::is_same_v<Cache, int8_t> ? 8 : 2; }
+// A head's context up to this size (keys and values) is requested whole when its item starts (see
+// attend_head): int8 decode attention at 8 x 256 tokens ~15% faster, bf16 ~5%; well inside L2.
+constexpr int64_t kFetchAllBytes = 256 * 1024;
 
 
 // Independent sums per row so enough dot products are in flight (latency ~6 cycles).
@@ -402,6 +405,10 @@ inline void attend_head(const float* const* q_rows, float* const* out_rows, cons
       }
     }
   }
+  // Where the head's whole context fits kFetchAllBytes, all of its chunks are requested now: the
+  // values then arrive during the scores, not after them.
+  if (num_blocks * 2 * kChunkBytes <= kFetchAllBytes)
+    for (int64_t j = 0; j < num_blocks; ++j) fetch(k_blocks[j], kChunkBytes), fetch(v_blocks[j], kChunkBytes);
   // Scores, kScoreRows rows at a time over the blocks the last of them sees (rows see more keys in
   // order); blocks lie anywhere in the pool, so each is requested a few blocks ahead.
   for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
