@@ -364,7 +364,7 @@ inline void run_streams(const Problem<W>& pr, int64_t begin, int64_t end) {
     } else {
       for (int s = 0; s < count; ++s) {
         const int64_t one[1] = {panel[s]};
-        run_tile<1, 1>(pr, 0, one);
+        run_tile<1, 1>(pr, 0, one, near_fetch<W>());
       }
     }
   }
