@@ -6,9 +6,12 @@ import argparse
 import logging
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
-from tokenmill.config import KV_CACHE_DTYPES, EngineArgs
+from tokenmill.engine.engine_args import add_engine_args, engine_kwargs
+
+if TYPE_CHECKING:
+    from tokenmill.sampling_params import SamplingParams
 
 EXAMPLE_PROMPTS = [
     "What is the capital of France?",
@@ -18,52 +21,34 @@ EXAMPLE_PROMPTS = [
 ]
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that builds an engine (names as in vLLM)."""
-    d = EngineArgs()
-    parser.add_argument("--model", default=None, help="HF folder, .gguf file or preset (default: embedded SmolLM2)")
-    parser.add_argument("--dtype", default=d.dtype, help="auto | bfloat16 | float32 | float16")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    parser.add_argument("--block-size", type=int, default=d.block_size)
-    parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-                        help="what the KV cache stores; auto: bf16 on a CPU running bf16 or int8 weights, "
-                             "else the model's dtype; int8 (CPU with AVX-512 BF16): per-token scales, half of bf16")
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
-                        help="CUDA: share of the GPU's memory for weights, activations and KV cache")
-    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    parser.add_argument("--load-format", default=d.load_format, help="auto | safetensors | gguf | dummy")
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--device", default=d.device)
-    parser.add_argument("--attention-backend", default=d.attention_backend)
-    parser.add_argument("--scheduling-policy", default=d.scheduling_policy, help="fcfs | priority")
-    parser.add_argument("--quantization", default=d.quantization,
-                        help="int8: per-channel int8 weights quantized at load (default: none)")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="run every layer from Python: no CUDA graphs, no fused CPU decode stack")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = [f for f in EngineArgs.__dataclass_fields__ if f != "model"]
-    return {name: getattr(args, name) for name in names if hasattr(args, name)}
+# What the CLI uses for a sampling flag the user leaves out when the model's generation_config.json
+# (see --generation-config) does not set it either: short greedy answers.
+CLI_SAMPLING_DEFAULTS = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    fallback = ", ".join(f"{name}={value}" for name, value in CLI_SAMPLING_DEFAULTS.items())
+    group = parser.add_argument_group("sampling", "flags left out take the model's generation_config.json "
+                                      f"values (see --generation-config), else {fallback}")
+    group.add_argument("--max-tokens", type=int, default=None)
+    group.add_argument("--temperature", type=float, default=None)
+    group.add_argument("--top-p", type=float, default=None)
+    group.add_argument("--top-k", type=int, default=None)
+
+
+def _sampling_params(args: argparse.Namespace, model_defaults: dict[str, float | int]) -> SamplingParams:
+    from tokenmill.sampling_params import SamplingParams, with_defaults
+
+    explicit = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+                "top_k": args.top_k}
+    return SamplingParams(**with_defaults(explicit, model_defaults, CLI_SAMPLING_DEFAULTS))
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from tokenmill import LLM, SamplingParams
+    from tokenmill import LLM
 
     llm = LLM(args.model, **engine_kwargs(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k)
+    params = _sampling_params(args, llm.config.model.sampling_defaults)
     prompts = args.prompts or EXAMPLE_PROMPTS
     start = time.perf_counter()
     if args.raw or llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
@@ -80,11 +65,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
-    from tokenmill import LLM, SamplingParams
+    from tokenmill import LLM
 
     llm = LLM(args.model, **engine_kwargs(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k)
+    params = _sampling_params(args, llm.config.model.sampling_defaults)
     history: list[dict[str, str]] = []
     print("tokenmill chat: type a message, an empty line or Ctrl-D to quit.")
     while True:

@@ -1,10 +1,14 @@
-"""Frozen, composed configuration. `EngineArgs` is what users pass; `resolve()` turns it into an
-`EngineConfig` once the model's own config and the machine are known."""
+"""Frozen, composed configuration. `EngineArgs` is what users pass; `engine.engine_args.create_engine_config`
+turns it into an `EngineConfig` once the model's own config and the machine are known. A leaf: this module
+imports nothing of the package, so every layer may import it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
@@ -14,7 +18,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 @dataclass(frozen=True)
 class ModelConfig:
     model: str  # a local HF folder, a .gguf file, or a preset name (with load_format="dummy")
-    hf_config: Any  # transformers.PretrainedConfig
+    hf_config: PretrainedConfig
     dtype: str  # the arithmetic and KV cache dtype: "bfloat16" | "float32" | "float16"
     max_model_len: int
     load_format: str = "auto"
@@ -24,6 +28,11 @@ class ModelConfig:
     # Set when the weights are rounded to a lower precision than `dtype` computes in: "bfloat16" asked
     # on a CPU without bf16 instructions runs bf16-rounded weights with float32 arithmetic.
     weight_dtype: str | None = None
+    # Sampling a request gets for the fields it leaves out (SamplingParams field names: temperature, top_p,
+    # top_k, min_p, repetition_penalty, max_tokens), read from generation_config.json as `generation_config`
+    # says ("auto": the model's folder, "vllm": none, else a folder); explicit request values always win.
+    generation_config: str = "auto"
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int:
@@ -77,7 +86,8 @@ class EngineConfig:
 
 @dataclass
 class EngineArgs:
-    """Everything a user may set; `create_engine_config` resolves it against the model and machine."""
+    """Everything a user may set; `tokenmill.engine.engine_args.create_engine_config` resolves it against the
+    model and the machine."""
 
     model: str | None = None
     dtype: str = "auto"
@@ -99,55 +109,9 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     quantization: str | None = None  # "int8": per-channel int8 weights, quantized at load
     enforce_eager: bool = False  # every step layer by layer from Python: no CUDA graphs, no fused CPU decode
-
-    def create_engine_config(self) -> tuple[EngineConfig, Any]:
-        """Returns the frozen config and the resolved model source (folder, tokenizer, eos ids)."""
-        from tokenmill.loader.model_loader import resolve_precision, resolve_source
-
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"unknown load_format {self.load_format!r}; use one of {LOAD_FORMATS}.")
-        from tokenmill.quant import check_quantization
-
-        check_quantization(self.quantization)
-        dtype, weight_dtype = resolve_precision(self.dtype, self.device)
-        source = resolve_source(self.model, self.load_format)
-        hf_config = source.hf_config
-        model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
-        # Sliding-window attention is not implemented: stay within the window, where it is exact.
-        window = getattr(hf_config, "sliding_window", None)
-        if window and getattr(hf_config, "use_sliding_window", True):
-            model_max = min(model_max, int(window))
-        max_model_len = min(self.max_model_len or model_max, model_max)
-        model = ModelConfig(
-            model=str(source.folder or self.model),
-            hf_config=hf_config,
-            dtype=dtype,
-            weight_dtype=weight_dtype,
-            max_model_len=max_model_len,
-            load_format=self.load_format,
-            seed=self.seed,
-            tokenizer=source.tokenizer,
-            quantization=self.quantization,
-        )
-        cache = CacheConfig(
-            block_size=self.block_size,
-            kv_cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, weight_dtype, self.quantization,
-                                                  self.device),
-            num_kv_blocks=self.num_kv_blocks,
-            kv_cache_memory_gb=self.kv_cache_memory_gb,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            enable_prefix_caching=self.enable_prefix_caching,
-        )
-        scheduler = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            policy=self.scheduling_policy,
-        )
-        config = EngineConfig(
-            model, cache, scheduler, self.device, self.attention_backend, enforce_eager=self.enforce_eager
-        )
-        return config, source
+    # Where requests' sampling defaults come from (as vLLM's --generation-config): "auto" the model folder's
+    # generation_config.json, "vllm" none (OpenAI's defaults), or a folder holding a generation_config.json.
+    generation_config: str = "auto"
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, weight_dtype: str | None, quantization: str | None,

@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 # n is a fan-out of whole sequences; more than this is a mistake, not a workload.
 MAX_N = 128
 # 0 or less for top_k means "no top-k", as in vLLM.
 _NO_TOP_K = 0
+# What the OpenAI API (and vLLM) use for a sampling field that neither the request nor the model sets.
+OPENAI_SAMPLING_DEFAULTS: dict[str, float | int] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": _NO_TOP_K, "min_p": 0.0, "repetition_penalty": 1.0,
+}
+
+
+def with_defaults(explicit: Mapping[str, Any], model_defaults: Mapping[str, Any],
+                  fallback: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The fields named in `explicit`, each from the first that sets it: `explicit` (None: left out by
+    the caller), the model's defaults (its generation_config.json), then `fallback`. A field none of
+    them sets is left out, so SamplingParams' own default applies."""
+    fallback = fallback or {}
+    resolved: dict[str, Any] = {}
+    for name, value in explicit.items():
+        if value is None:
+            value = model_defaults.get(name, fallback.get(name))
+        if value is not None:
+            resolved[name] = value
+    return resolved
 
 
 @dataclass

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from tokenmill import cpu_extensions
 from tokenmill.attention.pair_layout import cache_row_width
+from tokenmill.ops import build
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 
@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--warm", action="store_true", help="no cache eviction between steps")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kernels = cpu_extensions.load("paged_decode")
+    kernels = build.load("paged_decode")
     probe = torch.zeros(2, 1, BLOCK, KV_HEADS, cache_row_width(HEAD_DIM, "int8"), dtype=torch.int8)
     if kernels is None or not kernels.avx512_supports(probe):
         raise SystemExit("an int8 KV cache needs the AVX-512 BF16 and VNNI attention kernel, not on this CPU")

@@ -15,7 +15,8 @@ import torch
 
 from tokenmill.bench.roofline import ModelShape
 from tokenmill.loader.presets import PRESETS
-from tokenmill.quant import Bf16Linear, kernels
+from tokenmill.ops import packed_gemm
+from tokenmill.quant import Bf16Linear
 from tokenmill.quant.int8 import Int8Linear
 
 
@@ -47,7 +48,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    if not kernels.available():
+    if not packed_gemm.available():
         raise SystemExit("the C++ packed GEMM could not be built here")
     torch.set_num_threads(args.threads)
     shape = ModelShape.from_hf_config(PRESETS[args.preset])

@@ -1,4 +1,4 @@
-"""Decode steps with the packed weights and KV cache on huge pages (the default, tokenmill/hugepages.py)
+"""Decode steps with the packed weights and KV cache on huge pages (the default, tokenmill/ops/hugepages.py)
 against the same engine moved back onto 4 KiB pages, interleaved in one process (this machine drifts by
 10-25% between runs). Each step is the model forward of `rows` decode rows (the C++ decode stack),
 contexts of `--context` tokens in blocks scattered through the pool.

@@ -1,4 +1,4 @@
-"""The sampling kernels alone (csrc/cpu_ops.h), against what torch does for the same picks: a
+"""The sampling kernels alone (tokenmill/ops/csrc/cpu_ops.h), against what torch does for the same picks: a
 temperature draw (C++ sample_rows against softmax, a float64 cumsum and searchsorted) and greedy
 (C++ argmax_rows against torch.argmax), on rows of SmolLM2's 49,152 logits. Median of 5 x 200 calls.
 
@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from tokenmill.models.layers.fused import cpu_ops
+from tokenmill.ops.cpu_ops import cpu_ops
 
 VOCAB = 49152
 

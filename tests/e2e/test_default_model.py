@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.loader.default_model import default_model_path
 
 pytestmark = [
     pytest.mark.slow,
@@ -27,6 +29,14 @@ def test_default_model_knows_the_capital_of_france(llm: LLM) -> None:
                    SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # the model ends its answer with its eos token
+
+
+def test_default_model_samples_as_its_model_card_says(llm: LLM) -> None:
+    # SmolLM2-135M-Instruct's model card: temperature=0.2, top_p=0.9 (at temperature 1 it rambles)
+    saved = json.loads((default_model_path() / "generation_config.json").read_text())
+    assert (saved["temperature"], saved["top_p"]) == (0.2, 0.9)
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.top_p) == (0.2, 0.9)
 
 
 def test_stop_string_is_cut_from_the_text(llm: LLM) -> None:

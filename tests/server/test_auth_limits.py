@@ -106,14 +106,14 @@ def test_a_full_queue_answers_429_at_once(chat_model: Path) -> None:
     with run_server(chat_model, config, max_num_seqs=1) as server:
         # Hold the engine inside its first step, so that admitted requests stay queued.
         gate = threading.Event()
-        model = server.core.runner.model
-        real_forward = model.forward
+        runner = server.core.runner
+        real_forward = runner._forward  # every step's forward: eager, fused decode stack or CUDA graph
 
         def gated_forward(*args: Any, **kwargs: Any) -> Any:
             gate.wait(20)
             return real_forward(*args, **kwargs)
 
-        model.forward = gated_forward
+        runner._forward = gated_forward  # type: ignore[method-assign]
         body = {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
 
         async def one(client: httpx.AsyncClient) -> tuple[int, str | None, bool]:

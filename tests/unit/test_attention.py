@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from tokenmill.attention.backend import get_backend
+from tokenmill.attention.selector import get_backend
 from tokenmill.attention.cpu import SDPABackend
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.pair_layout import dequantize_int8_cache, from_pair_layout, to_pair_layout
+from tokenmill.ops.build import cpu_has_avx512_bf16
 
 BLOCK, HQ, HKV, D, NUM_BLOCKS = 16, 8, 2, 32, 64
 
@@ -167,10 +166,11 @@ def test_cpp_decode_kernel_over_head_layouts(num_heads: int, num_kv_heads: int, 
 
 
 def test_avx512_kernel_serves_bf16_caches_where_the_cpu_has_it() -> None:
-    # Built with -march=native: on a CPU with AVX-512 BF16 the fast path must not silently fall back.
+    # Built with -march=native: on a CPU with AVX-512 BF16 the fast path must not silently fall back
+    # (under TOKENMILL_CPU_ISA=avx2 the kernel is built without it, and cpu_has_avx512_bf16 says so).
     kernels = SDPABackend(torch.device("cpu"))._kernels
     cache = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
-    assert kernels.avx512_supports(cache) == ("avx512_bf16" in Path("/proc/cpuinfo").read_text())
+    assert kernels.avx512_supports(cache) == cpu_has_avx512_bf16()
     assert not kernels.avx512_supports(cache.float()) and not kernels.avx512_supports(cache[..., :48].contiguous())
 
 

@@ -1,6 +1,6 @@
 """The benchmark workloads, the throughput runner and `tokenmill bench throughput`.
 
-The workload table is BENCHMARKING.md's; engine runs use the tiny llama (vocab 512, max_model_len 512),
+The workload table is docs/benchmarking.md's; engine runs use the tiny llama (vocab 512, max_model_len 512),
 so their workloads are capped with max_prompt_len / max_output_len to fit."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tokenmill import LLM
 from tokenmill.bench import WORKLOADS, check_fits, make_workload, run_throughput
 from tokenmill.cli import main
 
-# name: (requests, prompt length range, output length range, temperature), from BENCHMARKING.md
+# name: (requests, prompt length range, output length range, temperature), from docs/benchmarking.md
 STANDARD = {
     "random-cpu": (64, (64, 512), (32, 256), 0.6),
     "random-gpu": (256, (100, 1024), (100, 1024), 0.6),

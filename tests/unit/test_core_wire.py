@@ -2,20 +2,43 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.scheduler import AdmissionLimits
 from tokenmill.engine import core_wire as wire
-from tokenmill.engine.core_loop import EngineSnapshot
+from tokenmill.engine.messages import (
+    AbortRequests,
+    AddRequests,
+    EngineDead,
+    EngineReady,
+    EngineSnapshot,
+    EngineStartFailed,
+    EngineStep,
+    Event,
+    RequestTimings,
+    Stop,
+)
 from tokenmill.outputs import EngineCoreOutput, Logprob
 from tokenmill.sampling_params import SamplingParams
 
 
 def test_add_command_keeps_params_and_the_prefill_leader() -> None:
-    params = SamplingParams(max_tokens=9, temperature=0.7, top_k=5, seed=3, logit_bias={7: -2.5},
-                            stop=["\n\n"], stop_token_ids=[4], logprobs=2)
+    params = SamplingParams(
+        max_tokens=9,
+        temperature=0.7,
+        top_k=5,
+        seed=3,
+        logit_bias={7: -2.5},
+        stop=["\n\n"],
+        stop_token_ids=[4],
+        logprobs=2,
+    )
     leader = Request("r#0", [1, 2, 3], params, frozenset({2, 0}), priority=-1, arrival_time=12.5)
     child = Request("r#1", [1, 2, 3], params, frozenset({2, 0}), priority=-1, prefill_leader=leader)
-    kind, seq, children = wire.decode_command(wire.encode_command(("add", 7, [leader, child])))
-    assert (kind, seq) == ("add", 7)
+    command = wire.decode_command(wire.encode_command(AddRequests(7, [leader, child])))
+    assert isinstance(command, AddRequests) and command.seq == 7
+    children = command.requests
     assert [c.req_id for c in children] == ["r#0", "r#1"]
     assert children[1].prefill_leader is children[0] and children[0].prefill_leader is None
     assert children[0].sampling_params == params and children[0].sampling_params.logit_bias == {7: -2.5}
@@ -24,9 +47,9 @@ def test_add_command_keeps_params_and_the_prefill_leader() -> None:
 
 
 def test_abort_and_stop_commands() -> None:
-    assert wire.decode_command(wire.encode_command(("abort", ["a", "b"], RequestStatus.FINISHED_STOPPED))) == (
-        "abort", ["a", "b"], RequestStatus.FINISHED_STOPPED)
-    assert wire.decode_command(wire.encode_command(("stop",))) == ("stop",)
+    abort = AbortRequests(["a", "b"], RequestStatus.FINISHED_STOPPED)
+    assert wire.decode_command(wire.encode_command(abort)) == abort
+    assert wire.decode_command(wire.encode_command(Stop())) == Stop()
 
 
 def test_step_event_keeps_outputs_logprobs_snapshot_and_timings() -> None:
@@ -40,12 +63,31 @@ def test_step_event_keeps_outputs_logprobs_snapshot_and_timings() -> None:
     finished.first_scheduled_time, finished.first_token_time, finished.finished_time = 1.0, 2.0, 3.0
     finished.num_preemptions, finished.num_cached_tokens = 1, 16
     snapshot = EngineSnapshot(3, 1, 40, 0.25, 90, 2, 128, 64, 17, 5)
-    message = wire.unpack(wire.encode_step(outputs, snapshot, {"b": finished}))
-    decoded, got_snapshot = wire.decode_step(message)
-    assert got_snapshot == snapshot
-    assert [o for o, _ in decoded] == outputs
-    assert [t for _, t in decoded] == [None, [1.0, 2.0, 3.0, 1, 16], None]
+    step = EngineStep(outputs, snapshot, {"b": RequestTimings.of(finished)})
+    data = wire.encode_event(step)
+    assert wire.decode_event(data) == step
+    assert b"num_running" not in data and b"first_token_time" not in data  # fields by position, no names
     copy = Request("b", [1], SamplingParams())
-    wire.apply_timings(copy, decoded[1][1])
+    step.timings["b"].apply_to(copy)
     assert (copy.first_scheduled_time, copy.first_token_time, copy.finished_time) == (1.0, 2.0, 3.0)
     assert (copy.num_preemptions, copy.num_cached_tokens) == (1, 16)
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        EngineReady(AdmissionLimits(max_model_len=2048, block_size=16, num_blocks=300)),
+        EngineStartFailed("OSError: no such model"),
+        EngineDead("the engine was shut down.", False),
+        EngineDead("a model step failed", True),
+    ],
+)
+def test_lifecycle_events(event: Event) -> None:
+    assert wire.decode_event(wire.encode_event(event)) == event
+
+
+def test_an_unknown_tag_is_an_error() -> None:
+    with pytest.raises(ValueError, match="unknown command"):
+        wire.decode_command(wire.encode_event(EngineDead("x", True)))
+    with pytest.raises(ValueError, match="unknown event"):
+        wire.decode_event(wire.encode_command(Stop()))

@@ -75,7 +75,7 @@ def test_graph_replay_equals_the_eager_forward(dtype: str) -> None:
 
     from tokenmill.attention.triton.backend import TritonBackend
     from tokenmill.config import ModelConfig
-    from tokenmill.loader.model_loader import load_model
+    from tokenmill.worker.model_loader import load_model
     from tokenmill.models.llama import Attention
 
     cuda = torch.device("cuda")

@@ -9,26 +9,27 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.loader import model_loader
-from tokenmill.quant import kernels
+from tokenmill.loader import model_source
+from tokenmill.ops import packed_gemm
 from tests.tiny_models import make_tiny_model
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ packed GEMM could not be built here")
+pytestmark = pytest.mark.skipif(not packed_gemm.available(), reason="the C++ packed GEMM could not be built here")
 
 # Different lengths, so decode steps batch sequences with different contexts and block counts.
 PROMPTS = [[1, 2, 3, 4], list(range(5, 40)), list(range(100, 117))]
 
 
 def _count_fused_calls(llm: LLM) -> list[int]:
-    """Wraps the model's fused decode; the returned list grows by one per fused step."""
-    model = llm.engine.runner.model
-    fused, calls = model.fused_decode, []
+    """Wraps the runner's fused decode; the returned list grows by one per fused step."""
+    runner = llm.engine.runner
+    fused, calls = runner.fused_decode, []
+    assert fused is not None
 
     def counted(*args: object) -> torch.Tensor:
         calls.append(1)
         return fused(*args)
 
-    model.fused_decode = counted
+    runner.fused_decode = counted  # type: ignore[assignment]
     return calls
 
 
@@ -40,7 +41,7 @@ def _count_fused_calls(llm: LLM) -> list[int]:
 def test_fused_decode_matches_layer_by_layer(
     tiny_model: Path, precision: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(model_loader, "cpu_has_bf16", lambda: False)  # packed bf16 weights on any CPU
+    monkeypatch.setattr(model_source, "cpu_has_bf16", lambda: False)  # packed bf16 weights on any CPU
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
     # max_num_batched_tokens 16: later prompts prefill in chunks while earlier ones decode, so some
     # steps mix prompt and decode rows (layer by layer) and others are all decode (fused).
@@ -84,7 +85,7 @@ def test_fused_decode_with_the_avx512_attention_matches_layer_by_layer(
     eager = LLM(model=str(folder), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=16,
                 enforce_eager=True, **precision)
     assert fused.engine.runner.fused_decode_off_reason is None
-    stack = fused.engine.runner.model.fused_decode
+    stack = fused.engine.runner.fused_decode
     calls = _count_fused_calls(fused)
     got = fused.generate(prompts, params, use_tqdm=False)
     want = eager.generate(prompts, params, use_tqdm=False)
@@ -101,13 +102,13 @@ def test_fused_decode_off_where_the_model_does_not_fit(llama_model: Path) -> Non
     """The readable reference attention has no C++ decode kernel: every step runs layer by layer."""
     llm = LLM(model=str(llama_model), dtype="float32", num_kv_blocks=64, attention_backend="torch_ref")
     assert llm.engine.runner.fused_decode_off_reason == "attention backend 'torch_ref' is not the C++ CPU one"
-    assert llm.engine.runner.model.fused_decode is None
+    assert llm.engine.runner.fused_decode is None
 
 
 def test_fused_decode_rebinds_a_new_kv_cache(llama_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The stack holds the caches it was built with; a reallocated cache must be picked up, not written
     behind the engine's back."""
-    monkeypatch.setattr(model_loader, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(model_source, "cpu_has_bf16", lambda: False)
     # No prefix caching: the new cache holds none of the old blocks.
     llm = LLM(model=str(llama_model), dtype="bfloat16", num_kv_blocks=64, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -116,14 +117,14 @@ def test_fused_decode_rebinds_a_new_kv_cache(llama_model: Path, monkeypatch: pyt
     runner.allocate_kv_cache(runner.kv_caches[0].shape[1])  # fresh zeroed caches, same size
     again = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
-    assert runner.model.fused_decode._caches[0] is runner.kv_caches[0]
+    assert runner.fused_decode._caches[0] is runner.kv_caches[0]
 
 
 def test_fused_decode_refuses_a_malformed_layer_before_keeping_it(tmp_path: Path) -> None:
     """The one-region path reads weights as raw memory inside its threads, where nothing may throw: a
     layer whose packed shapes or norm dtype are wrong is refused when it is added, and not kept."""
-    from tokenmill import cpu_extensions
     from tokenmill.models.fused_decode import _packed
+    from tokenmill.ops import build
 
     folder = make_tiny_model(tmp_path / "llama", "llama", head_dim=32)
     llm = LLM(model=str(folder), dtype="bfloat16", quantization="int8", kv_cache_dtype="int8", num_kv_blocks=64)
@@ -131,7 +132,7 @@ def test_fused_decode_refuses_a_malformed_layer_before_keeping_it(tmp_path: Path
         pytest.skip("the AVX-512 BF16 attention kernel is not built here")
     model = llm.engine.runner.model
     attn, mlp, layer = model.layers[0].self_attn, model.layers[0].mlp, model.layers[0]
-    stack = cpu_extensions.load("decode_stack").DecodeStack(
+    stack = build.load("decode_stack").DecodeStack(
         attn.num_heads, attn.num_kv_heads, attn.head_dim, model.norm.eps, attn.scale, model.norm.weight,
         model.embed_tokens.weight, model.rotary.cos, model.rotary.sin,
     )

@@ -6,14 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill import cpu_extensions
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import apply_rotary
+from tokenmill.ops import build
 
 
 @pytest.fixture(scope="module")
 def ops():  # type: ignore[no-untyped-def]
-    module = cpu_extensions.load("cpu_ops")
+    module = build.load("cpu_ops")
     assert module is not None, "the fused CPU ops must build here (CI has a compiler and ninja)"
     return module
 

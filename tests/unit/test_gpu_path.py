@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.cli import add_engine_args, engine_kwargs
+from tokenmill.engine.engine_args import add_engine_args, create_engine_config, engine_kwargs
 from tokenmill.config import CacheConfig, EngineArgs
 from tokenmill.engine import engine_core
 from tokenmill.engine.engine_core import num_kv_blocks, profiled_num_kv_blocks
@@ -41,14 +41,14 @@ def parse_engine_args(argv: list[str]) -> dict[str, object]:
 def test_enforce_eager_and_gpu_memory_utilization_flow_from_the_cli_to_the_engine_config(llama_model: Path) -> None:
     kwargs = parse_engine_args(["--enforce-eager", "--gpu-memory-utilization", "0.5"])
     assert kwargs["enforce_eager"] is True and kwargs["gpu_memory_utilization"] == 0.5
-    config, _ = EngineArgs(model=str(llama_model), **kwargs).create_engine_config()  # type: ignore[arg-type]
+    config, _ = create_engine_config(EngineArgs(model=str(llama_model), **kwargs))  # type: ignore[arg-type]
     assert config.enforce_eager is True
     assert config.cache.gpu_memory_utilization == 0.5
 
 
 def test_by_default_graphs_are_allowed_with_90_percent_of_the_gpu(llama_model: Path) -> None:
     kwargs = parse_engine_args([])
-    config, _ = EngineArgs(model=str(llama_model), **kwargs).create_engine_config()  # type: ignore[arg-type]
+    config, _ = create_engine_config(EngineArgs(model=str(llama_model), **kwargs))  # type: ignore[arg-type]
     assert config.enforce_eager is False
     assert config.cache.gpu_memory_utilization == 0.9
 
@@ -90,7 +90,7 @@ def test_a_budget_without_one_block_is_a_value_error_that_says_what_to_change(pe
 def test_on_cuda_the_profiled_budget_sizes_the_cache_within_the_per_sequence_cap(
     llama_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config, _ = EngineArgs(model=str(llama_model), max_num_seqs=4, max_model_len=256).create_engine_config()
+    config, _ = create_engine_config(EngineArgs(model=str(llama_model), max_num_seqs=4, max_model_len=256))
     per_block = kv_cache_bytes_per_block(config)
     cuda_runner = SimpleNamespace(device=torch.device("cuda"))
     # 0.9 of 1000 blocks' worth, less a peak of 800 blocks' worth: room for 100.
@@ -108,7 +108,7 @@ def test_on_cpu_the_cache_is_still_sized_by_kv_cache_memory_gb(
         raise AssertionError("CPU engines do not profile")
 
     monkeypatch.setattr(engine_core, "profile_peak_memory", no_profiling)
-    config, _ = EngineArgs(model=str(llama_model), dtype="float32").create_engine_config()
+    config, _ = create_engine_config(EngineArgs(model=str(llama_model), dtype="float32"))
     per_block = kv_cache_bytes_per_block(config)  # 2 * 2 layers * 2 heads * 16 dims * 4 bytes * 16 = 8 KiB
     assert per_block == 8 * 1024
     llm = LLM(model=str(llama_model), dtype="float32", kv_cache_memory_gb=37 * per_block / GIB)

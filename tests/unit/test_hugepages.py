@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill import LLM, SamplingParams, hugepages
-from tokenmill.quant import Int8Linear, kernels
+from tokenmill import LLM, SamplingParams
+from tokenmill.ops import hugepages, packed_gemm
+from tokenmill.quant import Int8Linear
 
 needs_madvise = pytest.mark.skipif(hugepages._madvise() is None, reason="no transparent huge pages to ask for here")
 
@@ -46,7 +47,7 @@ def test_zeros_is_zeroed_with_the_shape_and_dtype_asked() -> None:
     assert not cache.any()
 
 
-@pytest.mark.skipif(not kernels.available(), reason="the C++ int8 GEMM could not be built here")
+@pytest.mark.skipif(not packed_gemm.available(), reason="the C++ int8 GEMM could not be built here")
 def test_an_int8_engine_keeps_its_packed_weights_in_one_buffer_in_reading_order(llama_model: Path) -> None:
     llm = LLM(str(llama_model), dtype="float32", quantization="int8", max_num_seqs=4, seed=0)
     model = llm.engine.runner.model

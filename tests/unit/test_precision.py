@@ -11,10 +11,11 @@ from torch import nn
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import resolve_kv_cache_dtype
-from tokenmill.loader import model_loader
-from tokenmill.loader.model_loader import resolve_precision
+from tokenmill.loader import model_source
+from tokenmill.loader.model_source import resolve_precision
+from tokenmill.ops import packed_gemm
 from tokenmill.outputs import RequestOutput
-from tokenmill.quant import Bf16Linear, kernels
+from tokenmill.quant import Bf16Linear
 from tests.tiny_models import make_tiny_model
 
 
@@ -28,12 +29,12 @@ def assert_same_greedy(got: list[RequestOutput], want: list[RequestOutput], logp
 
 
 def test_bf16_on_cpu_is_bf16_weights_with_float32_activations(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_loader, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(model_source, "cpu_has_bf16", lambda: False)
     assert resolve_precision("bfloat16", "cpu") == ("float32", "bfloat16")
     assert resolve_precision("auto", "cpu") == ("float32", None)  # no bf16 instructions: exact fp32
     assert resolve_precision("float32", "cpu") == ("float32", None)
     assert resolve_precision("bfloat16", "cuda") == ("bfloat16", None)
-    monkeypatch.setattr(model_loader, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(model_source, "cpu_has_bf16", lambda: True)
     assert resolve_precision("bfloat16", "cpu") == ("float32", "bfloat16")
     assert resolve_precision("auto", "cpu") == ("float32", "bfloat16")
 
@@ -41,7 +42,7 @@ def test_bf16_on_cpu_is_bf16_weights_with_float32_activations(monkeypatch: pytes
 def test_rounded_weights_model_runs_the_bf16_weights_in_float32(
     llama_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(model_loader, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(model_source, "cpu_has_bf16", lambda: False)
     llm = LLM(model=str(llama_model), dtype="bfloat16", num_kv_blocks=64)
     assert llm.config.model.dtype == "float32" and llm.config.model.weight_dtype == "bfloat16"
     params = dict(llm.engine.runner.model.named_parameters())
@@ -65,7 +66,7 @@ def round_gemm_inputs_to_bf16(llm: LLM) -> None:
     model.compute_logits = lambda hidden: logits(hidden.bfloat16().float())
 
 
-@pytest.mark.skipif(not kernels.available(), reason="the C++ packed GEMM could not be built here")
+@pytest.mark.skipif(not packed_gemm.available(), reason="the C++ packed GEMM could not be built here")
 def test_packed_bf16_weights_decode_like_the_rounded_fp32_weights(
     llama_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -78,8 +79,8 @@ def test_packed_bf16_weights_decode_like_the_rounded_fp32_weights(
     linears = [m for m in packed.engine.runner.model.modules() if isinstance(m, (nn.Linear, Bf16Linear))]
     assert linears and all(isinstance(m, Bf16Linear) for m in linears)
     got = packed.generate(prompts, params, use_tqdm=False)
-    isa = kernels.isa()
-    monkeypatch.setattr(kernels, "available", lambda: False)
+    isa = packed_gemm.isa()
+    monkeypatch.setattr(packed_gemm, "available", lambda: False)
     rounded = LLM(model=str(llama_model), dtype="bfloat16", num_kv_blocks=64, enforce_eager=True)
     assert not any(isinstance(m, Bf16Linear) for m in rounded.engine.runner.model.modules())
     if isa == "avx512":
@@ -113,7 +114,7 @@ def test_bf16_kv_cache_holds_twice_the_blocks_and_decodes_like_float32(
 ) -> None:
     """The same memory budget holds twice the bf16 blocks; greedy tokens match a float32 cache and
     logprobs stay within bf16 rounding of the keys and values."""
-    monkeypatch.setattr(model_loader, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(model_source, "cpu_has_bf16", lambda: False)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
     prompts = [[1, 2, 3, 4], list(range(5, 40))]
     half = LLM(model=str(llama_model), dtype="bfloat16", kv_cache_memory_gb=0.01)

@@ -12,10 +12,13 @@ from torch import nn
 from tests.tiny_models import make_tiny_model, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineArgs
-from tokenmill.quant import Bf16Linear, Int8Linear, kernels
+from tokenmill.engine.engine_args import create_engine_config
+from tokenmill.ops import packed_gemm
+from tokenmill.ops.build import cpu_has_avx512_bf16
+from tokenmill.quant import Bf16Linear, Int8Linear
 from tokenmill.quant.int8 import dequantize_per_channel, quantize_per_channel
 
-needs_kernel = pytest.mark.skipif(not kernels.available(), reason="the C++ int8 GEMM could not be built here")
+needs_kernel = pytest.mark.skipif(not packed_gemm.available(), reason="the C++ int8 GEMM could not be built here")
 
 
 def random_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
@@ -63,7 +66,7 @@ def activations_as_seen(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x as the int8 kernel's integer path sees it, and the quantization step of each element [M, K]:
     AVX-512 VNNI: int8 groups of 32 values along K, steps of max|group| / 127; AVX2 (fewer than 512
     rows): int16 rows, steps of max|row| / 32767; AVX2 from 512 rows: x itself (a float32 GEMM)."""
-    if kernels.isa() == "avx512":
+    if packed_gemm.isa() == "avx512":
         num_rows, k = x.shape
         groups = nn.functional.pad(x, (0, (-k) % 32)).view(num_rows, -1, 32)  # [M, G, 32]
         amax = groups.abs().amax(dim=2, keepdim=True)
@@ -91,7 +94,7 @@ def test_cpu_kernel_equals_dequantize_then_matmul(num_tokens: int) -> None:
     magnitude = (seen.double().abs() @ dequantized.abs().T).float() + bias.abs()
     # int16 rows: float32 products often land on a half step, and the kernel may round such a tie the
     # other way (one step). int8 groups round exactly as the emulation does.
-    one_step = 0 if kernels.isa() == "avx512" else step.amax(dim=1, keepdim=True) * layer.dequantize().abs().amax()
+    one_step = 0 if packed_gemm.isa() == "avx512" else step.amax(dim=1, keepdim=True) * layer.dequantize().abs().amax()
     assert ((layer(x) - expected).abs() <= one_step + 1e-5 * (1 + magnitude)).all()
     # The activations' rounding error is bounded by half a step times the weights' magnitudes.
     bound = (step.double() / 2 @ dequantized.abs().T).float()
@@ -109,7 +112,7 @@ def test_bf16_linear_multiplies_the_bf16_weights_exactly(num_tokens: int) -> Non
     x = torch.randn(num_tokens, 77)
     layer = Bf16Linear(w, bias)
     assert layer.packed.dtype == torch.bfloat16 and torch.equal(layer.weight_bf16(), w.bfloat16())
-    seen = x.bfloat16() if kernels.isa() == "avx512" else x
+    seen = x.bfloat16() if packed_gemm.isa() == "avx512" else x
     expected = (seen.double() @ w.bfloat16().double().T + bias.double()).float()
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
@@ -136,7 +139,7 @@ def test_silu_and_mul_equals_the_activation_of_the_projection(kind: str, num_tok
 
 def test_unknown_quantization_is_a_value_error_listing_the_options() -> None:
     with pytest.raises(ValueError, match="int8"):
-        EngineArgs(quantization="int3").create_engine_config()
+        create_engine_config(EngineArgs(quantization="int3"))
 
 
 # ---------------------------------------------------------------------- whole models
@@ -179,7 +182,7 @@ def test_int8_llm_tokens_and_logprobs_are_close_to_fp32(llama_model: Path) -> No
 def test_default_model_int8_keeps_greedy_agreement_and_perplexity(kv_cache_dtype: str) -> None:
     from tokenmill.bench.quality import run_quality
 
-    if kv_cache_dtype == "int8" and "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
+    if kv_cache_dtype == "int8" and not cpu_has_avx512_bf16():
         pytest.skip("an int8 KV cache needs the AVX-512 BF16 attention kernel")
     report = run_quality(None, "int8", num_prompts=8, max_tokens=16, kv_cache_dtype=kv_cache_dtype, max_num_seqs=8,
                          kv_cache_memory_gb=0.25)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tokenmill.models.layers.fused import cpu_ops
+from tokenmill.ops.cpu_ops import cpu_ops
 from tokenmill.outputs import Logprob
 from tokenmill.sample.logprobs import compute_topk_logprobs, to_token_logprobs
 from tokenmill.sample.metadata import SamplingMetadata

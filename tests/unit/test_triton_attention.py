@@ -18,7 +18,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from tokenmill.attention.backend import write_kv as ref_write_kv
+from tokenmill.attention.torch_ref import write_kv as ref_write_kv
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.torch_ref import TorchRefBackend
 
@@ -235,7 +235,7 @@ def test_backend_with_default_tiles_and_split_heuristic() -> None:
 
 
 def test_get_backend_selects_triton_by_name() -> None:
-    from tokenmill.attention.backend import get_backend
+    from tokenmill.attention.selector import get_backend
 
     assert get_backend("triton", DEVICE).name == "triton"
 
@@ -259,6 +259,6 @@ def test_gpu_default_split_heuristic_on_long_decode_contexts(dtype: torch.dtype)
 
 @gpu_only
 def test_gpu_auto_backend_is_triton_on_cuda() -> None:
-    from tokenmill.attention.backend import get_backend
+    from tokenmill.attention.selector import get_backend
 
     assert get_backend("auto", DEVICE).name == "triton"

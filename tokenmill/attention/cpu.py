@@ -13,11 +13,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill import cpu_extensions
-from tokenmill.attention.backend import write_kv
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.pair_layout import cache_row_width
-from tokenmill.attention.torch_ref import gather_context
+from tokenmill.attention.torch_ref import gather_context, write_kv
+from tokenmill.ops import build
 
 
 class SDPABackend:
@@ -25,7 +24,7 @@ class SDPABackend:
     supports_cuda_graphs = False  # its KV write (index_copy_) cannot skip the graph runner's padding slots
 
     def __init__(self, device: torch.device, use_cpp_kernels: bool = True) -> None:
-        self._kernels = cpu_extensions.load("paged_decode") if use_cpp_kernels and device.type == "cpu" else None
+        self._kernels = build.load("paged_decode") if use_cpp_kernels and device.type == "cpu" else None
         if self._kernels is not None:
             self.name = "cpu"
 

@@ -1,6 +1,6 @@
 """The pair layout of a bf16 KV cache that our AVX-512 BF16 attention kernel serves, in PyTorch.
 
-The kernel (csrc/paged_attention_avx512.h) reads keys and values straight from the blocks, so each
+The kernel (ops/csrc/paged_attention_avx512.h) reads keys and values straight from the blocks, so each
 block stores them in the order its dot products take them; the C++ write_kv writes them so. Per
 block half (K, V) and kv head, 16 tokens x D values:
     keys   [D/2, 16, 2]: (k[t, 2i], k[t, 2i + 1]) at [i, t]

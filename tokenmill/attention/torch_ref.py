@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.attention.backend import write_kv
 from tokenmill.attention.metadata import AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter new k/v rows into their cache slots (rounded to the cache's dtype). k, v: [num_tokens, Hkv, D]."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
 def gather_context(

@@ -47,7 +47,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def _add_throughput_parser(subparsers: argparse._SubParsersAction) -> None:
-    from tokenmill.cli import add_engine_args
+    from tokenmill.engine.engine_args import add_engine_args
 
     workloads = "; ".join(f"{w.name}: {w.num_requests} requests, {w.description}" for w in WORKLOADS.values())
     parser = subparsers.add_parser(
@@ -73,7 +73,7 @@ def cmd_throughput(args: argparse.Namespace) -> None:
     from tokenmill import LLM
     from tokenmill.bench.datasets import check_fits, make_workload
     from tokenmill.bench.throughput import run_throughput
-    from tokenmill.cli import engine_kwargs
+    from tokenmill.engine.engine_args import engine_kwargs
 
     llm = LLM(args.model, **engine_kwargs(args))
     requests = make_workload(

@@ -92,7 +92,7 @@ class CompareReport:
 
 def resolve_compare_dtype(dtype: str) -> str:
     """auto means what tokenmill would pick on this machine (float32 on a CPU without native bf16)."""
-    from tokenmill.loader.model_loader import resolve_dtype
+    from tokenmill.loader.model_source import resolve_dtype
 
     if dtype == "int8":
         return dtype

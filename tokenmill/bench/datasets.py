@@ -1,4 +1,4 @@
-"""The standard benchmark workloads of BENCHMARKING.md, as synthetic token-id requests.
+"""The standard benchmark workloads of docs/benchmarking.md, as synthetic token-id requests.
 
 Every request runs to a fixed length (`ignore_eos`, `max_tokens=output_len`), so throughput does not depend
 on the weights or on what the model happens to generate. A fixed seed gives the same requests every run.

@@ -132,7 +132,7 @@ def format_report(report: QualityReport) -> str:
 # ---------------------------------------------------------------------- tokenmill bench quality
 def add_quality_parser(subparsers: Any) -> None:
     """Register `tokenmill bench quality` on the `bench` subparsers."""
-    from tokenmill.cli import add_engine_args
+    from tokenmill.engine.engine_args import add_engine_args
 
     parser = subparsers.add_parser(
         "quality",
@@ -150,7 +150,7 @@ def add_quality_parser(subparsers: Any) -> None:
 
 
 def cmd_quality(args: Any) -> None:
-    from tokenmill.cli import engine_kwargs
+    from tokenmill.engine.engine_args import engine_kwargs
 
     kwargs = engine_kwargs(args)
     quantization = kwargs.pop("quantization")

@@ -1,4 +1,4 @@
-"""This machine's decode roofline for a model (BENCHMARKING.md, "The limit"), measured in the same run as the
+"""This machine's decode roofline for a model (docs/benchmarking.md, "The limit"), measured in the same run as the
 throughput it judges.
 
 Each decode step reads every weight once (the matmul weights, the LM head included) plus the KV cache of

@@ -1,4 +1,4 @@
-"""Offline throughput: run a workload through `LLM.generate` and measure it (BENCHMARKING.md's metrics).
+"""Offline throughput: run a workload through `LLM.generate` and measure it (docs/benchmarking.md's metrics).
 
 Continuous batching submits every request in one `generate` call and lets the scheduler refill the
 batch as requests finish. Static batching runs the same engine on fixed batches of `batch_size`

@@ -28,17 +28,22 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.config import EngineArgs
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.engine.core_client import CoreClient, ProcessCoreClient, ThreadCoreClient
-from tokenmill.engine.core_loop import EngineDeadError, EngineSnapshot
+from tokenmill.engine.core_loop import EngineDeadError
+from tokenmill.engine.engine_args import create_engine_config
 from tokenmill.engine.input_processor import InputProcessor, PreparedRequest, Prompt
+from tokenmill.engine.messages import EngineSnapshot
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.loader.hf import load_tokenizer
 from tokenmill.outputs import EngineCoreOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +91,8 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, args: EngineArgs, stall_timeout_s: float = 300.0, engine_process: bool = True) -> None:
-        self.config, source = args.create_engine_config()
-        self.tokenizer = load_tokenizer(source.tokenizer) if source.tokenizer else None
+        self.config, source = create_engine_config(args)
+        self.tokenizer: PreTrainedTokenizerBase | None = load_tokenizer(source.tokenizer) if source.tokenizer else None
         self.client: CoreClient = (ProcessCoreClient if engine_process else ThreadCoreClient)(self.config, source)
         self.inputs = InputProcessor(self.tokenizer, self.config.model.vocab_size, source.eos_token_ids,
                                      self.client.limits)

@@ -22,14 +22,27 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import Protocol
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import AdmissionLimits
 from tokenmill.engine import core_wire as wire
-from tokenmill.engine.core_loop import Command, CoreLoop, EngineSnapshot
+from tokenmill.engine.core_loop import CoreLoop
 from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.messages import (
+    AbortRequests,
+    AddRequests,
+    Command,
+    EngineDead,
+    EngineReady,
+    EngineSnapshot,
+    EngineStartFailed,
+    EngineStep,
+    RequestTimings,
+    Stop,
+)
+from tokenmill.loader.model_source import ModelSource
 from tokenmill.outputs import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
@@ -57,7 +70,7 @@ class CoreClient(Protocol):
 
 # ---------------------------------------------------------------------- thread
 class ThreadCoreClient:
-    def __init__(self, config: EngineConfig, source: Any) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.core = EngineCore(config, source)
         self.limits = self.core.scheduler.limits
         self._commands: queue.Queue[Command] = queue.Queue()
@@ -65,18 +78,19 @@ class ThreadCoreClient:
 
     def start(self, on_step: OnStep, on_dead: OnDead) -> None:
         sink = _LoopSink(asyncio.get_running_loop(), on_step, on_dead)
-        self._thread = threading.Thread(target=CoreLoop(self.core, _QueueCommands(self._commands), sink).run,
-                                        name="tokenmill-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=CoreLoop(self.core, _QueueCommands(self._commands), sink).run, name="tokenmill-engine", daemon=True
+        )
         self._thread.start()
 
     def add(self, seq: int, children: list[Request]) -> None:
-        self._commands.put(("add", seq, children))
+        self._commands.put(AddRequests(seq, children))
 
     def abort(self, req_ids: list[str], status: RequestStatus) -> None:
-        self._commands.put(("abort", req_ids, status))
+        self._commands.put(AbortRequests(req_ids, status))
 
     def shutdown(self, timeout: float) -> None:
-        self._commands.put(("stop",))
+        self._commands.put(Stop())
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -98,32 +112,33 @@ class _LoopSink:
     def __init__(self, loop: asyncio.AbstractEventLoop, on_step: OnStep, on_dead: OnDead) -> None:
         self.loop, self.on_step, self.on_dead = loop, on_step, on_dead
 
-    def step(self, outputs: list[EngineCoreOutput], snapshot: EngineSnapshot) -> None:
-        self._call(self.on_step, outputs, snapshot)
-
-    def dead(self, reason: str, failed: bool) -> None:
-        self._call(self.on_dead, reason, failed)
-
-    def _call(self, callback: Callable[..., None], *args: Any) -> None:
+    def publish(self, event: EngineStep | EngineDead) -> None:
         try:
-            self.loop.call_soon_threadsafe(callback, *args)
+            if isinstance(event, EngineStep):
+                self.loop.call_soon_threadsafe(self.on_step, event.outputs, event.snapshot)
+            else:
+                self.loop.call_soon_threadsafe(self.on_dead, event.reason, event.failed)
         except RuntimeError:  # the event loop has closed: nobody is left to tell
             pass
 
 
 # ---------------------------------------------------------------------- process
 class ProcessCoreClient:
-    def __init__(self, config: EngineConfig, source: Any) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold torch threads
         commands_in, self._commands = ctx.Pipe(duplex=False)
         self._events, events_out = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=run_engine_process, args=(config, source, commands_in, events_out),
-                                   name="tokenmill-engine", daemon=True)
+        self.process = ctx.Process(
+            target=run_engine_process,
+            args=(config, source, commands_in, events_out),
+            name="tokenmill-engine",
+            daemon=True,
+        )
         with _engine_process_env():
             self.process.start()
         commands_in.close()
         events_out.close()
-        self.limits = AdmissionLimits(*self._wait_ready())
+        self.limits = self._wait_ready()
         self._children: dict[str, Request] = {}  # this side's copies, to fill in their core timings
         self._outbox: queue.Queue[bytes | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write, name="tokenmill-engine-writer", daemon=True)
@@ -131,23 +146,25 @@ class ProcessCoreClient:
         self._on_step: OnStep | None = None
         self._on_dead: OnDead | None = None
 
-    def _wait_ready(self) -> list[int]:
+    def _wait_ready(self) -> AdmissionLimits:
         waited = 0.0
         try:
             while not self._events.poll(1.0):
                 waited += 1.0
                 if not self.process.is_alive() or waited > _START_TIMEOUT_S:
                     raise EOFError
-            message = wire.unpack(self._events.recv_bytes())
+            event = wire.decode_event(self._events.recv_bytes())
         except (EOFError, OSError):
             self.process.kill()
             self.process.join(10)
-            raise RuntimeError(f"the engine process did not start (exit code {self.process.exitcode}); "
-                               "see its log above.") from None
-        if message[0] != "ready":
+            raise RuntimeError(
+                f"the engine process did not start (exit code {self.process.exitcode}); see its log above."
+            ) from None
+        if not isinstance(event, EngineReady):
             self.process.join(10)
-            raise RuntimeError(f"the engine process could not start: {message[1]}")
-        return message[1]
+            reason = event.reason if isinstance(event, (EngineStartFailed, EngineDead)) else repr(event)
+            raise RuntimeError(f"the engine process could not start: {reason}")
+        return event.limits
 
     def start(self, on_step: OnStep, on_dead: OnDead) -> None:
         self._loop = asyncio.get_running_loop()
@@ -158,21 +175,21 @@ class ProcessCoreClient:
     def add(self, seq: int, children: list[Request]) -> None:
         for child in children:
             self._children[child.req_id] = child
-        self._outbox.put(wire.encode_command(("add", seq, children)))
+        self._outbox.put(wire.encode_command(AddRequests(seq, children)))
 
     def abort(self, req_ids: list[str], status: RequestStatus) -> None:
         for req_id in req_ids:
             self._children.pop(req_id, None)
-        self._outbox.put(wire.encode_command(("abort", req_ids, status)))
+        self._outbox.put(wire.encode_command(AbortRequests(req_ids, status)))
 
     def shutdown(self, timeout: float) -> None:
-        self._outbox.put(wire.encode_command(("stop",)))
+        self._outbox.put(wire.encode_command(Stop()))
         self._outbox.put(None)
         if self._writer.is_alive():
             self._writer.join(timeout)
         else:  # never started: write the stop here
             try:
-                self._commands.send_bytes(wire.encode_command(("stop",)))
+                self._commands.send_bytes(wire.encode_command(Stop()))
             except OSError:
                 pass
         self.process.join(timeout)
@@ -191,26 +208,26 @@ class ProcessCoreClient:
         assert self._on_step is not None and self._on_dead is not None
         try:
             while self._events.poll():
-                message = wire.unpack(self._events.recv_bytes())
-                if message[0] == "dead":
+                event = wire.decode_event(self._events.recv_bytes())
+                if isinstance(event, EngineDead):
                     self._stop_reading()
-                    self._on_dead(message[1], message[2])
+                    self._on_dead(event.reason, event.failed)
                     return
-                self._on_step(*self._decode_step(message))
+                if isinstance(event, EngineStep):
+                    self._apply_timings(event)
+                    self._on_step(event.outputs, event.snapshot)
         except (EOFError, OSError):
             self._stop_reading()
             self.process.join(5)
             self._on_dead(f"the engine process exited unexpectedly (exit code {self.process.exitcode}).", True)
 
-    def _decode_step(self, message: list[Any]) -> tuple[list[EngineCoreOutput], EngineSnapshot]:
-        decoded, snapshot = wire.decode_step(message)
-        outputs = []
-        for output, timings in decoded:
+    def _apply_timings(self, step: EngineStep) -> None:
+        """Copy the core timings onto this side's copies of the requests (forgetting finished ones)."""
+        for output in step.outputs:
             child = self._children.pop(output.req_id, None) if output.finished else self._children.get(output.req_id)
+            timings = step.timings.get(output.req_id)
             if timings is not None and child is not None:
-                wire.apply_timings(child, timings)
-            outputs.append(output)
-        return outputs, snapshot
+                timings.apply_to(child)
 
     def _stop_reading(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -233,18 +250,17 @@ def _engine_process_env() -> Iterator[None]:
             del os.environ["OMP_WAIT_POLICY"]
 
 
-def run_engine_process(config: EngineConfig, source: Any, commands: Connection, events: Connection) -> None:
-    """The engine process: load the model, say "ready", then run the core loop until told to stop."""
+def run_engine_process(config: EngineConfig, source: ModelSource, commands: Connection, events: Connection) -> None:
+    """The engine process: load the model, send EngineReady, then run the core loop until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which stops us in order
     logging.basicConfig(level=logging.WARNING, format="tokenmill engine process: %(levelname)s %(message)s")
     try:
         core = EngineCore(config, source)
     except Exception as exc:
         logger.exception("loading the model failed")
-        events.send_bytes(wire.pack(["start_failed", f"{type(exc).__name__}: {exc}"]))
+        events.send_bytes(wire.encode_event(EngineStartFailed(f"{type(exc).__name__}: {exc}")))
         return
-    events.send_bytes(wire.pack(["ready", [core.scheduler.limits.max_model_len, core.scheduler.limits.block_size,
-                                           core.num_blocks]]))
+    events.send_bytes(wire.encode_event(EngineReady(core.scheduler.limits)))
     live: dict[str, Request] = {}
     CoreLoop(core, _PipeCommands(commands, live), _PipeEvents(events, live)).run()
 
@@ -259,11 +275,11 @@ class _PipeCommands:
                 return None
             command = wire.decode_command(self.conn.recv_bytes())
         except (EOFError, OSError):  # the server process is gone: stop
-            return ("stop",)
-        if command[0] == "add":
-            self.live.update((r.req_id, r) for r in command[2])
-        elif command[0] == "abort":
-            for req_id in command[1]:
+            return Stop()
+        if isinstance(command, AddRequests):
+            self.live.update((r.req_id, r) for r in command.requests)
+        elif isinstance(command, AbortRequests):
+            for req_id in command.req_ids:
                 self.live.pop(req_id, None)
         return command
 
@@ -272,14 +288,15 @@ class _PipeEvents:
     def __init__(self, conn: Connection, live: dict[str, Request]) -> None:
         self.conn, self.live = conn, live
 
-    def step(self, outputs: list[EngineCoreOutput], snapshot: EngineSnapshot) -> None:
-        self._send(wire.encode_step(outputs, snapshot, self.live))
-        for output in outputs:
-            if output.finished:
-                self.live.pop(output.req_id, None)
-
-    def dead(self, reason: str, failed: bool) -> None:
-        self._send(wire.pack(["dead", reason, failed]))
+    def publish(self, event: EngineStep | EngineDead) -> None:
+        if isinstance(event, EngineStep):  # the front end's copies of the requests lack the core timings
+            live = [self.live.get(o.req_id) for o in event.outputs]
+            timings = {r.req_id: RequestTimings.of(r) for r in live if r is not None}
+            event = EngineStep(event.outputs, event.snapshot, timings)
+            for output in event.outputs:
+                if output.finished:
+                    self.live.pop(output.req_id, None)
+        self._send(wire.encode_event(event))
 
     def _send(self, data: bytes) -> None:
         try:

@@ -6,40 +6,23 @@ where commands come from and where step results go differ (see core_client.py)."
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.messages import AbortRequests, AddRequests, Command, EngineDead, EngineSnapshot, EngineStep, Stop
 from tokenmill.outputs import EngineCoreOutput
+
+__all__ = ["CommandSource", "CoreLoop", "EngineDeadError", "EngineSnapshot", "EventSink"]
 
 logger = logging.getLogger(__name__)
 
 # How long the idle loop waits for a command before it looks again.
 IDLE_POLL_S = 0.5
 
-# ("add", seq, [Request, ...]) | ("abort", [req_id, ...], RequestStatus) | ("stop",)
-Command = tuple[Any, ...]
-
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped (a model step failed, its process died, or it was shut down)."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine's state right after a step (or after commands that needed no step)."""
-
-    num_running: int
-    num_waiting: int
-    num_waiting_tokens: int  # tokens the waiting requests still have to compute
-    kv_cache_usage: float  # share of KV blocks held by live requests
-    num_free_blocks: int
-    num_preemptions: int  # cumulative
-    prefix_cache_queries: int  # cumulative, tokens
-    prefix_cache_hits: int  # cumulative, tokens
-    num_step_tokens: int  # tokens scheduled by this step
-    last_add_seq: int  # every add command up to this one is counted above
 
 
 class CommandSource(Protocol):
@@ -49,9 +32,9 @@ class CommandSource(Protocol):
 
 
 class EventSink(Protocol):
-    def step(self, outputs: list[EngineCoreOutput], snapshot: EngineSnapshot) -> None: ...
-
-    def dead(self, reason: str, failed: bool) -> None: ...
+    def publish(self, event: EngineStep | EngineDead) -> None:
+        """Hand an event to the front end; never blocks the loop for long."""
+        ...
 
 
 class CoreLoop:
@@ -65,23 +48,24 @@ class CoreLoop:
             while True:
                 stop, applied, rejected = self._apply_commands(wait=not core.has_unfinished())
                 if stop:
-                    self.events.dead("the engine was shut down.", False)
+                    self.events.publish(EngineDead("the engine was shut down.", False))
                     return
                 if not core.has_unfinished():
                     if applied:  # aborts or rejected adds changed the state: say so without a step
-                        self.events.step(rejected, self._snapshot(0))
+                        self.events.publish(EngineStep(rejected, self._snapshot(0)))
                     continue
                 failed_before = core.num_failed_steps
                 tokens_before = core.scheduler.stats.num_scheduled_tokens
                 outputs = rejected + core.step()
-                self.events.step(outputs, self._snapshot(core.scheduler.stats.num_scheduled_tokens - tokens_before))
+                num_step_tokens = core.scheduler.stats.num_scheduled_tokens - tokens_before
+                self.events.publish(EngineStep(outputs, self._snapshot(num_step_tokens)))
                 if core.num_failed_steps > failed_before:
                     raise EngineDeadError("a model step failed; the engine stopped (see the server log).")
         except BaseException as exc:  # the loop must never die silently
             if not isinstance(exc, EngineDeadError):
                 logger.exception("the engine loop failed")
             reason = str(exc) if isinstance(exc, EngineDeadError) else "the engine loop failed (see the server log)."
-            self.events.dead(reason, True)
+            self.events.publish(EngineDead(reason, True))
 
     def _apply_commands(self, wait: bool) -> tuple[bool, bool, list[EngineCoreOutput]]:
         """Apply every queued command; returns (stop?, applied any?, outputs for rejected adds)."""
@@ -89,14 +73,14 @@ class CoreLoop:
         command = self.commands.get(IDLE_POLL_S if wait else 0.0)
         applied = command is not None
         while command is not None:
-            if command[0] == "stop":
+            if isinstance(command, Stop):
                 return True, applied, rejected
-            if command[0] == "add":
-                self.last_seq = command[1]
-                rejected += self._add(command[2])
-            else:
-                for req_id in command[1]:
-                    self.core.abort_request(req_id, command[2])
+            if isinstance(command, AddRequests):
+                self.last_seq = command.seq
+                rejected += self._add(command.requests)
+            elif isinstance(command, AbortRequests):
+                for req_id in command.req_ids:
+                    self.core.abort_request(req_id, command.status)
             command = self.commands.get(0.0)
         return False, applied, rejected
 

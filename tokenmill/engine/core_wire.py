@@ -1,9 +1,9 @@
-"""What crosses the pipe between the server process and the engine process, as msgpack (never pickle).
+"""The messages of messages.py as msgpack (never pickle), for the pipe between the server process
+and the engine process.
 
-Front end -> engine: commands (add, abort, stop). Engine -> front end: "ready" once the model is
-loaded, "step" after every step (outputs + snapshot), "dead" when the loop ends. Each output
-carries its request's core timings (queue, first token, preemptions), which the front end's copy
-of the request lacks."""
+Each message is one msgpack array: a short tag, then its fields by position (no field names on the
+wire). A step's outputs each carry their request's core timings (queue, first token, preemptions),
+which the front end's copy of the request lacks."""
 
 from __future__ import annotations
 
@@ -13,89 +13,145 @@ from typing import Any
 import msgpack
 
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.engine.core_loop import Command, EngineSnapshot
+from tokenmill.core.scheduler import AdmissionLimits
+from tokenmill.engine.messages import (
+    AbortRequests,
+    AddRequests,
+    Command,
+    EngineDead,
+    EngineReady,
+    EngineSnapshot,
+    EngineStartFailed,
+    EngineStep,
+    Event,
+    RequestTimings,
+    Stop,
+)
 from tokenmill.outputs import EngineCoreOutput, Logprob, TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
 
+# A decoded msgpack value: Any is honest here, the decoders below give it its shape.
+Fields = list[Any]
 
-def pack(message: list[Any]) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
+
+def _pack(message: Fields) -> bytes:
+    data: bytes = msgpack.packb(message, use_bin_type=True)
+    return data
 
 
-def unpack(data: bytes) -> list[Any]:
+def _unpack(data: bytes) -> Fields:
     # strict_map_key=False: logit_bias maps token ids (ints) to floats.
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    message: Fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    return message
 
 
 # ---------------------------------------------------------------------- commands
 def encode_command(command: Command) -> bytes:
-    if command[0] == "add":
-        return pack(["add", command[1], [_encode_request(r) for r in command[2]]])
-    if command[0] == "abort":
-        return pack(["abort", list(command[1]), command[2].value])
-    return pack(["stop"])
+    if isinstance(command, AddRequests):
+        return _pack(["add", command.seq, [_encode_request(r) for r in command.requests]])
+    if isinstance(command, AbortRequests):
+        return _pack(["abort", list(command.req_ids), command.status.value])
+    return _pack(["stop"])
 
 
 def decode_command(data: bytes) -> Command:
-    message = unpack(data)
-    if message[0] == "add":
+    message = _unpack(data)
+    tag = message[0]
+    if tag == "add":
         children: dict[str, Request] = {}
         for fields in message[2]:
             request = _decode_request(fields, children)
             children[request.req_id] = request
-        return "add", message[1], list(children.values())
-    if message[0] == "abort":
-        return "abort", message[1], RequestStatus(message[2])
-    return ("stop",)
+        return AddRequests(message[1], list(children.values()))
+    if tag == "abort":
+        return AbortRequests(message[1], RequestStatus(message[2]))
+    if tag == "stop":
+        return Stop()
+    raise ValueError(f"unknown command {tag!r} on the engine pipe")
 
 
-def _encode_request(r: Request) -> list[Any]:
+def _encode_request(r: Request) -> Fields:
     leader = r.prefill_leader.req_id if r.prefill_leader is not None else None
-    return [r.req_id, r.prompt_token_ids, dataclasses.asdict(r.sampling_params), sorted(r.eos_token_ids),
-            r.priority, r.arrival_time, leader]
+    return [
+        r.req_id,
+        r.prompt_token_ids,
+        dataclasses.asdict(r.sampling_params),
+        sorted(r.eos_token_ids),
+        r.priority,
+        r.arrival_time,
+        leader,
+    ]
 
 
-def _decode_request(fields: list[Any], siblings: dict[str, Request]) -> Request:
+def _decode_request(fields: Fields, siblings: dict[str, Request]) -> Request:
     req_id, ids, params, eos, priority, arrival, leader = fields
-    return Request(req_id, ids, SamplingParams(**params), frozenset(eos), priority, arrival,
-                   prefill_leader=siblings.get(leader) if leader is not None else None)
+    return Request(
+        req_id,
+        ids,
+        SamplingParams(**params),
+        frozenset(eos),
+        priority,
+        arrival,
+        prefill_leader=siblings.get(leader) if leader is not None else None,
+    )
 
 
 # ---------------------------------------------------------------------- events
-def encode_step(outputs: list[EngineCoreOutput], snapshot: EngineSnapshot, requests: dict[str, Request]) -> bytes:
-    """`requests`: the engine's requests by id, whose timings go along with their outputs."""
-    return pack(["step", [_encode_output(o, requests.get(o.req_id)) for o in outputs], dataclasses.astuple(snapshot)])
+def encode_event(event: Event) -> bytes:
+    if isinstance(event, EngineStep):
+        outputs = [_encode_output(o, event.timings.get(o.req_id)) for o in event.outputs]
+        return _pack(["step", outputs, dataclasses.astuple(event.snapshot)])
+    if isinstance(event, EngineReady):
+        return _pack(["ready", dataclasses.astuple(event.limits)])
+    if isinstance(event, EngineStartFailed):
+        return _pack(["start_failed", event.reason])
+    return _pack(["dead", event.reason, event.failed])
 
 
-def decode_step(message: list[Any]) -> tuple[list[tuple[EngineCoreOutput, list[Any] | None]], EngineSnapshot]:
-    """The outputs, each with its request's timings (or None), and the snapshot."""
-    return [_decode_output(o) for o in message[1]], EngineSnapshot(*message[2])
+def decode_event(data: bytes) -> Event:
+    message = _unpack(data)
+    tag = message[0]
+    if tag == "step":
+        outputs, timings = [], {}
+        for fields in message[1]:
+            output, timing = _decode_output(fields)
+            outputs.append(output)
+            if timing is not None:
+                timings[output.req_id] = timing
+        return EngineStep(outputs, EngineSnapshot(*message[2]), timings)
+    if tag == "ready":
+        return EngineReady(AdmissionLimits(*message[1]))
+    if tag == "start_failed":
+        return EngineStartFailed(message[1])
+    if tag == "dead":
+        return EngineDead(message[1], message[2])
+    raise ValueError(f"unknown event {tag!r} on the engine pipe")
 
 
-def apply_timings(request: Request, timings: list[Any]) -> None:
-    (request.first_scheduled_time, request.first_token_time, request.finished_time, request.num_preemptions,
-     request.num_cached_tokens) = timings
-
-
-def _encode_output(o: EngineCoreOutput, r: Request | None) -> list[Any]:
-    timings = None
-    if r is not None:
-        timings = [r.first_scheduled_time, r.first_token_time, r.finished_time, r.num_preemptions,
-                   r.num_cached_tokens]
+def _encode_output(o: EngineCoreOutput, timings: RequestTimings | None) -> Fields:
     prompt_lps = None if o.new_prompt_logprobs is None else [_encode_logprobs(e) for e in o.new_prompt_logprobs]
-    return [o.req_id, o.new_token_ids, _encode_logprobs(o.new_logprobs), prompt_lps, o.finish_reason,
-            o.stop_reason, o.error, timings]
+    return [
+        o.req_id,
+        o.new_token_ids,
+        _encode_logprobs(o.new_logprobs),
+        prompt_lps,
+        o.finish_reason,
+        o.stop_reason,
+        o.error,
+        None if timings is None else dataclasses.astuple(timings),
+    ]
 
 
-def _decode_output(fields: list[Any]) -> tuple[EngineCoreOutput, list[Any] | None]:
+def _decode_output(fields: Fields) -> tuple[EngineCoreOutput, RequestTimings | None]:
     req_id, tokens, lps, prompt_lps, finish_reason, stop_reason, error, timings = fields
     prompt = None if prompt_lps is None else [_decode_logprobs(e) for e in prompt_lps]
-    return EngineCoreOutput(req_id, tokens, _decode_logprobs(lps), prompt, finish_reason, stop_reason, error), timings
+    output = EngineCoreOutput(req_id, tokens, _decode_logprobs(lps), prompt, finish_reason, stop_reason, error)
+    return output, None if timings is None else RequestTimings(*timings)
 
 
-def _encode_logprobs(entry: TokenLogprobs | None) -> list[list[Any]] | None:
+def _encode_logprobs(entry: TokenLogprobs | None) -> list[Fields] | None:
     return None if entry is None else [[tok, lp.logprob, lp.rank] for tok, lp in entry.items()]
 
 
-def _decode_logprobs(entry: list[list[Any]] | None) -> TokenLogprobs | None:
+def _decode_logprobs(entry: list[Fields] | None) -> TokenLogprobs | None:
     return None if entry is None else {tok: Logprob(logprob, rank) for tok, logprob, rank in entry}

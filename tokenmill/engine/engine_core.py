@@ -15,7 +15,7 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.process_tuning import freeze_startup_heap, keep_freed_memory
-from tokenmill.loader.model_loader import ModelSource
+from tokenmill.loader.model_source import ModelSource
 from tokenmill.outputs import EngineCoreOutput
 from tokenmill.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 

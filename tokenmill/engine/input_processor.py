@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import AdmissionLimits
 from tokenmill.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# Text, token ids, or {"prompt": ..., "prompt_token_ids": [...]} as a user sent it (checked here).
 Prompt = str | list[int] | dict[str, Any]
 
 
@@ -23,7 +27,10 @@ class PreparedRequest:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any | None, vocab_size: int, eos_token_ids: list[int], limits: AdmissionLimits):
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, eos_token_ids: list[int],
+        limits: AdmissionLimits,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -44,7 +51,7 @@ class InputProcessor:
             return None, self._check_ids(prompt)
         raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
 
-    def _check_ids(self, ids: Any) -> list[int]:
+    def _check_ids(self, ids: object) -> list[int]:
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError("prompt token ids must be a list of integers.")
         if not ids:
@@ -57,10 +64,12 @@ class InputProcessor:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with a plain prompt.")
-        text = self.tokenizer.apply_chat_template(
+        # tokenize=False renders one conversation as one string (the return type covers batches and ids too).
+        text = cast(str, self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        ))
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids
 
     def process(
         self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,

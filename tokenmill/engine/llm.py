@@ -6,18 +6,22 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from tqdm import tqdm
 
 from tokenmill.config import EngineArgs
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.engine.engine_args import create_engine_config
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.input_processor import InputProcessor, PreparedRequest, Prompt
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.loader.hf import load_tokenizer
 from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -31,19 +35,27 @@ class LLM:
     max_num_batched_tokens, block_size, num_kv_blocks, kv_cache_memory_gb, gpu_memory_utilization,
     enable_prefix_caching, load_format ("auto" | "safetensors" | "gguf" | "dummy"), seed, device,
     attention_backend, scheduling_policy ("fcfs" | "priority"), quantization, enforce_eager (every
-    layer from Python: no CUDA graphs, no fused CPU decode stack)."""
+    layer from Python: no CUDA graphs, no fused CPU decode stack), generation_config ("auto": the
+    model's generation_config.json sets the sampling defaults, "vllm": SamplingParams' own, or a folder).
+
+    Calls without `sampling_params` use `get_default_sampling_params()`."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.config, source = EngineArgs(model=model, **kwargs).create_engine_config()
-        self.tokenizer = load_tokenizer(source.tokenizer) if source.tokenizer else None
+        self.config, source = create_engine_config(EngineArgs(model=model, **kwargs))
+        self.tokenizer: PreTrainedTokenizerBase | None = load_tokenizer(source.tokenizer) if source.tokenizer else None
         self.engine = EngineCore(self.config, source)
         self.inputs = InputProcessor(
             self.tokenizer, self.config.model.vocab_size, source.eos_token_ids, self.engine.scheduler.limits
         )
         self._ids = itertools.count()
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's defaults (its generation_config.json, per `generation_config`)
+        in place of SamplingParams' own: what `generate`, `chat` and `stream` use when given none."""
+        return SamplingParams(**self.config.model.sampling_defaults)  # type: ignore[arg-type]
 
     def generate(
         self,
@@ -56,7 +68,8 @@ class LLM:
         """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}); outputs come
         back in prompt order. Every prompt is validated before any is queued."""
         prompt_list = _as_prompt_list(prompts)
-        params = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
+        params = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompt_list),
+                            "sampling_params")
         priorities = _broadcast(list(priority) if priority is not None else 0, len(prompt_list), "priority")
         prepared = [
             self.inputs.process(str(next(self._ids)), p, sp, prio)
@@ -85,7 +98,7 @@ class LLM:
     ) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that changed it (`delta_text` holds the new
         text); with chat=True the prompt is a list of messages."""
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         if chat:
             prompt = {"prompt_token_ids": self.inputs.apply_chat_template(prompt)}  # type: ignore[arg-type]
         yield from self._iterate([self.inputs.process(str(next(self._ids)), prompt, params)])
@@ -149,17 +162,26 @@ def _metrics(children: list[Request]) -> RequestMetrics:
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # a single token-id list
-    if not prompts:
+    items = list(prompts)
+    if not items:
         raise ValueError("no prompts given.")
-    return prompts
+    token_ids = [t for t in items if isinstance(t, int)]
+    if len(token_ids) == len(items):
+        return [token_ids]  # a single token-id list
+    prompt_list: list[Prompt] = []
+    for item in items:
+        if isinstance(item, int):  # ids mixed with prompts
+            raise ValueError("a prompt must be a string or a list of token ids, got int.")
+        prompt_list.append(item)
+    return prompt_list
 
 
-def _broadcast(value: Any, n: int, name: str) -> list[Any]:
+T = TypeVar("T")
+
+
+def _broadcast(value: T | Sequence[T], n: int, name: str) -> list[T]:
     if isinstance(value, (list, tuple)):
         if len(value) != n:
             raise ValueError(f"{name} has {len(value)} entries for {n} prompts.")
         return list(value)
-    return [value] * n
+    return [cast(T, value)] * n  # not a list or tuple: one value (mypy cannot rule out that T is a sequence)

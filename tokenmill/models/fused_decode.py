@@ -1,4 +1,4 @@
-"""Every decoder layer of a CPU decode step in one C++ call (models/csrc/decode_stack.cpp).
+"""Every decoder layer of a CPU decode step in one C++ call (ops/csrc/decode_stack.cpp).
 
 A decode step of a small model at batch 1 issues ~15 PyTorch calls per layer; from Python they cost
 about as much as the weight streaming they wrap. The C++ stack runs the same kernels on the same
@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill import cpu_extensions
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.ops import build
 from tokenmill.quant.bf16 import Bf16Linear
 from tokenmill.quant.int8 import Int8Linear
 
@@ -34,7 +35,7 @@ def _packed(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
     return None
 
 
-def unsupported_reason(model: Any) -> str | None:
+def unsupported_reason(model: LlamaForCausalLM) -> str | None:
     """Why `model` cannot use the fused decode stack, or None when it can."""
     if model.embed_tokens.weight.device.type != "cpu" or model.embed_tokens.weight.dtype != torch.float32:
         return "not float32 on CPU"
@@ -46,7 +47,7 @@ def unsupported_reason(model: Any) -> str | None:
             return "q/k norm (Qwen3) is not fused"
         if any(_packed(m) is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
             return "linear layers are neither float32 nor packed for the C++ GEMM"
-    if cpu_extensions.load("decode_stack") is None:
+    if build.load("decode_stack") is None:
         return "the C++ decode stack could not be built"
     return None
 
@@ -54,7 +55,7 @@ def unsupported_reason(model: Any) -> str | None:
 class FusedDecode:
     """Built for one model; rebuilt on the next call when the runner binds new KV caches."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
         self._stack: Any = None
         self._caches: list[torch.Tensor] = []
@@ -62,7 +63,7 @@ class FusedDecode:
     def _bind(self, caches: list[torch.Tensor]) -> Any:
         model = self.model
         attn0 = model.layers[0].self_attn
-        kernels = cpu_extensions.load("decode_stack")
+        kernels = build.load("decode_stack")
         stack = kernels.DecodeStack(
             attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, model.norm.eps, attn0.scale, model.norm.weight,
             model.embed_tokens.weight, model.rotary.cos, model.rotary.sin,

@@ -5,7 +5,7 @@ The forward takes a flat batch: every scheduled token of every request in one ro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -14,7 +14,6 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.models.layers.fused import cpu_ops
 from tokenmill.models.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
@@ -60,19 +59,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [num_tokens, (Hq + 2 * Hkv) * D]
-        ops = cpu_ops(qkv) if self.q_norm is None else None
-        if ops is not None:  # rotate the q and k heads of the fused output in place, in one pass
-            cos, sin = rotary
-            ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin)
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)[0]
-            k = self.k_norm(k)[0]
-        if ops is None:
-            q, k = apply_rotary(rotary, q, k)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3
+            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
+        q, k = apply_rotary(rotary, q, k)
         if self.kv_cache is None:
             raise RuntimeError("the KV cache was not bound to this attention layer")
         out = backend.forward(q, k, v, self.kv_cache, meta, self.scale)  # [num_tokens, Hq, D]
@@ -87,15 +80,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = getattr(self.gate_up_proj, "silu_and_mul", None)  # packed layers: the activation in the GEMM
-        if fused is not None:
-            return self.down_proj(fused(x))
-        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
-        ops = cpu_ops(gate_up)
-        if ops is not None:
-            return self.down_proj(ops.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))  # silu(gate) * up: [num_tokens, intermediate]
 
 
 class DecoderLayer(nn.Module):
@@ -138,8 +123,6 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(hf_config.hidden_size, hf_config.vocab_size)
         self.rotary = RotaryEmbedding(head_dim_of(hf_config), max_position, rope_parameters(hf_config))
-        # All layers of a decode step in one C++ call, where the model supports it (set by the runner).
-        self.fused_decode: Callable[..., torch.Tensor] | None = None
 
     def forward(
         self,
@@ -148,8 +131,6 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Returns the final hidden states, [num_tokens, hidden_size]."""
-        if self.fused_decode is not None and meta.is_all_decode:  # the embedding and rotary tables too
-            return self.fused_decode(input_ids, positions, meta)
         hidden = self.embed_tokens(input_ids)
         rotary = self.rotary(positions)
         residual = None

@@ -46,7 +46,7 @@ def quantize_model(model: nn.Module, name: str) -> nn.Module:
 @torch.no_grad()
 def pack_bf16_weights(model: nn.Module) -> nn.Module:
     """Store the linear layers and LM head as packed bf16 for the C++ kernel (CPUs without bf16
-    arithmetic, see bf16.py). The caller checks `kernels.available()` first."""
+    arithmetic, see bf16.py). The caller checks `tokenmill.ops.packed_gemm.available()` first."""
     return swap_linears(model, Bf16Linear)
 
 

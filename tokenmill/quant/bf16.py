@@ -1,4 +1,4 @@
-"""bf16 weights packed for our C++ GEMM (csrc/packed_gemm.h), float32 activations in and out.
+"""bf16 weights packed for our C++ GEMM (ops/csrc/packed_gemm.h), float32 activations in and out.
 
 On CPUs with AVX-512 BF16 the kernel rounds the activation rows to bf16 and multiplies with bf16
 dot-product instructions (float32 sums; k-pair panels); elsewhere (AVX2) it widens the weights to
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.quant import kernels
+from tokenmill.ops import packed_gemm
 from tokenmill.quant.panels import PANEL, pack_bf16, unpack_bf16
 
 
@@ -26,7 +26,7 @@ class Bf16Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         pad = (-self.out_features) % PANEL
-        self.pairs = kernels.isa() == "avx512"  # the layout the built kernel reads (panels.py)
+        self.pairs = packed_gemm.isa() == "avx512"  # the layout the built kernel reads (panels.py)
         # [P, in, 16] (interleaved) or [P, in + in % 2, 16] (k pairs)
         self.register_buffer("packed", pack_bf16(weight.detach().to(torch.bfloat16), self.pairs))
         self.register_buffer("ones", torch.ones(self.out_features + pad))  # the kernel's per-channel scale
@@ -38,8 +38,7 @@ class Bf16Linear(nn.Module):
         return unpack_bf16(self.packed, self.out_features, self.in_features, self.pairs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
-        return torch.ops.tokenmill_quant.packed_linear(x.float().contiguous(), self.packed, self.ones, self.bias,
-                                                       self.out_features)
+        return packed_gemm.packed_linear(x.float().contiguous(), self.packed, self.ones, self.bias, self.out_features)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a [gate | up] projection (the MLP's): [num_tokens, in] -> [num_tokens, out / 2].
@@ -47,8 +46,9 @@ class Bf16Linear(nn.Module):
         out] projection is never written out and read back."""
         if self.out_features % (2 * PANEL):
             return split_silu_mul(self(x))
-        return torch.ops.tokenmill_quant.packed_linear_silu_mul(x.float().contiguous(), self.packed, self.ones,
-                                                                self.bias, self.out_features)
+        return packed_gemm.packed_linear_silu_mul(
+            x.float().contiguous(), self.packed, self.ones, self.bias, self.out_features
+        )
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weights=bf16 packed"

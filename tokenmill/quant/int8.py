@@ -1,6 +1,6 @@
 """Per-output-channel symmetric int8 weights, quantized at load time from a float checkpoint.
 
-On CPU the GEMM is our C++ kernel (csrc/packed_gemm.h), integer multiply-adds that never widen the
+On CPU the GEMM is our C++ kernel (ops/csrc/packed_gemm.h), integer multiply-adds that never widen the
 weights to float; decode reads a quarter of the bytes of fp32 weights. The activations are quantized
 per call:
 - AVX-512 VNNI: to int8 in groups of 32 values, one scale per group (llama.cpp's q8_0), with
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.quant import kernels
+from tokenmill.ops import packed_gemm
 from tokenmill.quant.bf16 import split_silu_mul
 from tokenmill.quant.panels import PANEL, pack_int8, unpack_int8
 
@@ -40,7 +40,7 @@ def dequantize_per_channel(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 
 
 def default_kernel(device: torch.device) -> str:
-    return "cpu" if device.type == "cpu" and kernels.available() else "reference"
+    return "cpu" if device.type == "cpu" and packed_gemm.available() else "reference"
 
 
 class Int8Linear(nn.Module):
@@ -62,7 +62,7 @@ class Int8Linear(nn.Module):
         self.kernel = kernel
         pad = (-self.out_features) % PANEL if kernel == "cpu" else 0
         bias = torch.zeros_like(scale) if bias is None and kernel == "cpu" else bias
-        self.quads = kernel == "cpu" and kernels.isa() == "avx512"  # the layout the built kernel reads
+        self.quads = kernel == "cpu" and packed_gemm.isa() == "avx512"  # the layout the built kernel reads
         # cpu: [num_panels, in padded, 16] int8 (panels.py) and padded [num_panels * 16] scale and
         # bias; reference: [out, in]
         self.register_buffer("qweight", pack_int8(q, self.quads) if kernel == "cpu" else q)
@@ -88,7 +88,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         if self.kernel == "cpu":
-            y = torch.ops.tokenmill_quant.packed_linear(
+            assert self.bias is not None  # the cpu kernel's layers always have one (zeros where none was given)
+            y = packed_gemm.packed_linear(
                 x.float().contiguous(), self.qweight, self.scale, self.bias, self.out_features
             )
         else:
@@ -102,7 +103,8 @@ class Int8Linear(nn.Module):
         in the C++ GEMM's epilogue where the halves are whole panels (see Bf16Linear.silu_and_mul)."""
         if self.kernel != "cpu" or self.out_features % (2 * PANEL):
             return split_silu_mul(self(x))
-        y = torch.ops.tokenmill_quant.packed_linear_silu_mul(
+        assert self.bias is not None  # as in forward
+        y = packed_gemm.packed_linear_silu_mul(
             x.float().contiguous(), self.qweight, self.scale, self.bias, self.out_features
         )
         return y.to(x.dtype)

@@ -1,4 +1,4 @@
-"""The packed weight layouts of the C++ GEMM (csrc/packed_gemm.h): panels of 16 output channels, k-major.
+"""The packed weight layouts of the C++ GEMM (ops/csrc/packed_gemm.h): panels of 16 output channels, k-major.
 
 - bf16 for AVX2: [P, K, 16], the 16 channels of each k interleaved [0, 8, 1, 9, ..., 7, 15], so the
   kernel splits one 32-byte load into channels 0-7 (the low halves of its 32-bit words) and 8-15
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 PANEL = 16  # output channels per packed panel
-GROUP = 32  # int8 quads: K is padded to whole activation groups (csrc/packed_gemm_avx512.h kGroup)
+GROUP = 32  # int8 quads: K is padded to whole activation groups (ops/csrc/packed_gemm_avx512.h kGroup)
 # stored position -> channel, for bf16 panels
 INTERLEAVE = torch.arange(PANEL).view(2, PANEL // 2).t().reshape(-1)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -171,7 +171,9 @@ def _pad(rows: list[list[int]], num_reqs: int, pad: int, device: torch.device) -
     return to_device(padded, torch.int64, device)
 
 
-def to_device(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(
+    values: Sequence[float] | Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """A host list as a tensor on `device`. On CUDA, staged in pinned memory and copied asynchronously:
     `torch.tensor(values, device="cuda")` waits for the stream to drain, i.e. for the step's forward,
     and the step's one host sync is meant to be the sampled ids' `.tolist()`."""

@@ -10,7 +10,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from tokenmill.models.layers.fused import cpu_ops
+from tokenmill.ops.cpu_ops import cpu_ops
 from tokenmill.sample.logprobs import compute_topk_logprobs
 from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sample.penalties import apply_logit_bias, apply_penalties, mask_tokens
@@ -99,7 +99,8 @@ def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     uniform = _uniforms(meta, logits.shape[0], logits.device)  # [num_reqs] float64
     ops = _cpu_draw(logits, meta)
     if ops is not None:  # one pass per row in C++, no [num_reqs, vocab_size] temporaries
-        return ops.sample_rows(logits, meta.temperature, uniform)
+        sampled: torch.Tensor = ops.sample_rows(logits, meta.temperature, uniform)  # [num_reqs] int64
+        return sampled
     logits /= meta.temperature.unsqueeze(1)
     if not (meta.no_top_k and meta.no_top_p):
         _apply_top_k_top_p(

@@ -38,12 +38,12 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_messages", "messages") from exc
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = serving.resolve_max_tokens(state, requested, len(ids))
+    max_tokens = serving.resolve_max_tokens(state, requested, len(ids), state.default_max_tokens)
     top = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true.", "invalid_request", "top_logprobs")
     try:
-        params = serving.sampling_params(body, max_tokens, top, None)
+        params = serving.sampling_params(body, max_tokens, top, None, state.sampling_defaults)
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_request") from exc
     request_id = new_id("chatcmpl")

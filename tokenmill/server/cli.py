@@ -9,7 +9,7 @@ from tokenmill.server.config import API_KEY_ENV, ServerConfig
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from tokenmill.cli import add_engine_args
+    from tokenmill.engine.engine_args import add_engine_args
 
     d = ServerConfig()
     parser = subparsers.add_parser(
@@ -62,7 +62,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from tokenmill.cli import engine_kwargs
+    from tokenmill.engine.engine_args import engine_kwargs
     from tokenmill.config import EngineArgs
     from tokenmill.server.launcher import serve
 

@@ -48,10 +48,11 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
             text, ids = state.engine.inputs.tokenize(prompt)
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_prompt", "prompt") from exc
-        max_tokens = serving.resolve_max_tokens(state, body.max_tokens, len(ids), DEFAULT_MAX_TOKENS)
+        default_max_tokens = state.default_max_tokens or DEFAULT_MAX_TOKENS
+        max_tokens = serving.resolve_max_tokens(state, body.max_tokens, len(ids), default_max_tokens)
         prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
         try:
-            params = serving.sampling_params(body, max_tokens, body.logprobs, prompt_lps)
+            params = serving.sampling_params(body, max_tokens, body.logprobs, prompt_lps, state.sampling_defaults)
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request") from exc
         prepared.append(serving.prepare(state, f"{request_id}-{i}", text, ids, params, body.priority))

@@ -61,6 +61,17 @@ class ServerState:
         return min(self.config.max_tokens or self.engine.max_model_len, self.engine.max_model_len)
 
     @property
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """What a request gets for the sampling fields it leaves out (from --generation-config)."""
+        return self.engine.config.model.sampling_defaults
+
+    @property
+    def default_max_tokens(self) -> int | None:
+        """max_tokens for a request that gives none: the model's max_new_tokens, if it sets one."""
+        value = self.sampling_defaults.get("max_tokens")
+        return None if value is None else int(value)
+
+    @property
     def max_prompt_tokens(self) -> int:
         return min(self.config.max_prompt_tokens or self.engine.max_model_len, self.engine.max_model_len - 1)
 

@@ -19,6 +19,7 @@ import uvicorn
 
 from tokenmill.config import EngineArgs
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.loader.generation_config import describe_sampling_defaults
 from tokenmill.server.app import build_app
 from tokenmill.server.config import ServerConfig, ServerState
 
@@ -83,8 +84,10 @@ def print_usage(server: GracefulServer) -> None:
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{server.bound_port()}"
     key = "$TOKENMILL_API_KEY" if state.keys.enabled else "unused"
     auth = " -H \"Authorization: Bearer $TOKENMILL_API_KEY\"" if state.keys.enabled else ""
+    sampling = describe_sampling_defaults(state.engine.config.model.generation_config, state.sampling_defaults)
     print(f"""
 tokenmill is serving {state.model_name!r} at {url}/v1 (OpenAI-compatible; Ctrl-C to stop)
+{sampling}
 
   curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
     -d '{{"model": "{state.model_name}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'

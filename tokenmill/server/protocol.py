@@ -4,7 +4,10 @@ Requests are validated strictly (a string is not an integer) and the schema stat
 server checks on its own, so a body the schema allows is one the server can run. Unknown fields are
 ignored, as OpenAI's own API does. Extensions beyond OpenAI's fields follow vLLM: `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `priority`, `stop_token_ids`,
-`skip_special_tokens`, `include_stop_str_in_output`."""
+`skip_special_tokens`, `include_stop_str_in_output`.
+
+Sampling fields a request leaves out (None here) take the model's defaults from its
+generation_config.json (see `--generation-config`), then OpenAI's."""
 
 from __future__ import annotations
 
@@ -60,8 +63,10 @@ class _SamplingFields(_Strict):
 
     model: str | None = Field(default=None, description="The served model's id (see /v1/models).")
     n: NumSamples = Field(default=1, description="Completions per prompt.")
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0,
+                                      description="Default: the model's generation_config.json, else 1.")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0,
+                                description="Default: the model's generation_config.json, else 1.")
     top_k: TopK | None = Field(default=None, description="0 or -1: no top-k.")
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: Int64 | None = None
@@ -91,7 +96,7 @@ class CompletionRequest(_SamplingFields):
         | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     ) = Field(description="Text, token ids, or a batch of either.")
-    max_tokens: PositiveInt | None = Field(default=None, description="Default 16.")
+    max_tokens: PositiveInt | None = Field(default=None, description="Default: the model's max_new_tokens, else 16.")
     echo: bool = False
     logprobs: NumLogprobs | None = None
     suffix: str | None = Field(default=None, description="Not supported: must be absent or empty.")

@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.input_processor import PreparedRequest
 from tokenmill.outputs import RequestOutput, TokenLogprobs
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import OPENAI_SAMPLING_DEFAULTS, SamplingParams, with_defaults
 from tokenmill.server.config import ServerState
 from tokenmill.server.errors import ENGINE_FAILED_MESSAGE, INTERNAL_ERROR_MESSAGE, APIError, sse_error
 from tokenmill.server.protocol import UsageInfo, _SamplingFields
@@ -27,21 +27,20 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None,
-                    prompt_logprobs: int | None) -> SamplingParams:
-    """The engine's SamplingParams for one prompt of the request (ValueError -> 400)."""
+def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+                    model_defaults: Mapping[str, float | int]) -> SamplingParams:
+    """The engine's SamplingParams for one prompt of the request (ValueError -> 400). A sampling field
+    the request leaves out comes from the model's defaults (its generation_config.json), else OpenAI's."""
+    explicit = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
+                "repetition_penalty": body.repetition_penalty}
     return SamplingParams(
         n=body.n,
         max_tokens=max_tokens,
         min_tokens=min(body.min_tokens, max_tokens),
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k is None else body.top_k,
-        min_p=0.0 if body.min_p is None else body.min_p,
+        **with_defaults(explicit, model_defaults, OPENAI_SAMPLING_DEFAULTS),
         seed=body.seed,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logit_bias={int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         stop_token_ids=list(body.stop_token_ids or []),

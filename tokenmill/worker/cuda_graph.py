@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.worker.input_batch import StepBatch
+from tokenmill.worker.model_interface import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class CaptureStats:
 class CudaGraphRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         max_num_seqs: int,
         max_model_len: int,
         block_size: int,

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import torch
+from torch import nn
 
-from tokenmill import hugepages
-from tokenmill.attention.backend import get_backend
 from tokenmill.attention.pair_layout import cache_row_width
+from tokenmill.attention.selector import get_backend
 from tokenmill.config import EngineConfig
-from tokenmill.loader.model_loader import load_model
 from tokenmill.models.fused_decode import FusedDecode, unsupported_reason
-from tokenmill.models.llama import head_dim_of
+from tokenmill.models.llama import LlamaForCausalLM, head_dim_of
+from tokenmill.ops import hugepages
 from tokenmill.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenmill.sample.logprobs import compute_topk_logprobs, to_token_logprobs
 from tokenmill.sample.metadata import SamplingMetadata
@@ -20,6 +21,8 @@ from tokenmill.sample.sampler import Sampler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.input_batch import RunnerRequestState, StepBatch, build_step_batch
+from tokenmill.worker.model_interface import CausalLM
+from tokenmill.worker.model_loader import load_model
 
 # Seeded requests reseed their generator from (seed, output position) each step, so a request's
 # samples depend on nothing else: not batch composition, not preemption and recompute.
@@ -31,7 +34,7 @@ def kv_cache_bytes_per_block(config: EngineConfig) -> int:
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     itemsize = torch.empty(0, dtype=getattr(torch, config.cache.kv_cache_dtype)).element_size()
     width = cache_row_width(head_dim_of(hf_config), config.cache.kv_cache_dtype)
-    per_token = 2 * hf_config.num_hidden_layers * num_kv_heads * width * itemsize
+    per_token: int = 2 * hf_config.num_hidden_layers * num_kv_heads * width * itemsize
     return per_token * config.cache.block_size
 
 
@@ -43,10 +46,14 @@ class ModelRunner:
         self.vocab_size = config.model.vocab_size
         self.eos_token_ids = eos_token_ids
         self.backend = get_backend(config.attention_backend, self.device)
-        self.model = load_model(config.model, folder, self.backend, config.device)
+        module = load_model(config.model, folder, self.backend, config.device)
+        # An nn.Module; the runner reaches into it only through what CausalLM names.
+        self.model = cast(CausalLM, module)
         if config.cache.kv_cache_dtype == "int8":
             self._check_int8_cache()
-        self.fused_decode_off_reason = self._enable_fused_decode()
+        # Decode steps run every layer in one C++ call where the model fits it (models/fused_decode.py).
+        self.fused_decode: FusedDecode | None = None
+        self.fused_decode_off_reason = self._enable_fused_decode(module)
         self.sampler = Sampler()
         # The last step's sampling metadata and the request states it was built for, reused while the
         # same requests sample in the same order and nothing in it can change (see _sampling_metadata).
@@ -68,14 +75,16 @@ class ModelRunner:
                 f"{attn.head_dim}, backend {self.backend.name}); use 'auto'."
             )
 
-    def _enable_fused_decode(self) -> str | None:
+    def _enable_fused_decode(self, module: nn.Module) -> str | None:
         """Decode steps run every layer in one C++ call (models/fused_decode.py) unless enforce_eager
         or the model does not fit it; returns why not, or None."""
         if self.config.enforce_eager:
             return "enforce_eager"
-        reason = unsupported_reason(self.model) if self.device.type == "cpu" else "not on CPU"
+        if not isinstance(module, LlamaForCausalLM):
+            return f"{type(module).__name__} has no fused decode stack"
+        reason = unsupported_reason(module) if self.device.type == "cpu" else "not on CPU"
         if reason is None:
-            self.model.fused_decode = FusedDecode(self.model)
+            self.fused_decode = FusedDecode(module)
         return reason
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -197,9 +206,12 @@ class ModelRunner:
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         """A decode step that fits a captured graph replays it (its output is a view, valid until the
-        graph's next replay); every other step runs eagerly."""
+        graph's next replay); on CPU a decode step runs the fused C++ stack; every other step runs eagerly."""
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             return self.cuda_graphs.run(batch)
+        meta = batch.attn_metadata
+        if self.fused_decode is not None and meta.is_all_decode:
+            return self.fused_decode(batch.input_ids, batch.positions, meta)
         return self.model(batch.input_ids, batch.positions, batch.attn_metadata)
 
     def _sample(self, hidden: torch.Tensor, batch: StepBatch, output: ModelRunnerOutput) -> None:
@@ -219,14 +231,14 @@ class ModelRunner:
             output.sampled_token_ids[state.req_id] = token
         if result.topk_token_ids is None or result.topk_logprobs is None or result.sampled_ranks is None:
             return
-        rows = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
+        lp_rows = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
         entries = to_token_logprobs(
-            result.topk_token_ids[rows],
-            result.topk_logprobs[rows],
-            result.sampled_ranks[rows],
-            num_logprobs=[states[i].sampling_params.logprobs or 0 for i in rows],
+            result.topk_token_ids[lp_rows],
+            result.topk_logprobs[lp_rows],
+            result.sampled_ranks[lp_rows],
+            num_logprobs=[states[i].sampling_params.logprobs or 0 for i in lp_rows],
         )
-        for i, entry in zip(rows, entries):
+        for i, entry in zip(lp_rows, entries):
             output.logprobs[states[i].req_id] = entry
 
     def _sampling_metadata(self, states: list[RunnerRequestState]) -> SamplingMetadata:

@@ -46,7 +46,7 @@ def write_kv(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, negative = skip (padding)
 ) -> None:
-    """Like `tokenmill.attention.backend.write_kv`, but rows whose slot is negative are skipped,
+    """Like `tokenmill.attention.torch_ref.write_kv`, but rows whose slot is negative are skipped,
     so CUDA-graph padding rows need no reserved block."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:

@@ -7,7 +7,10 @@ module, not the parameter: moving a model off the meta device replaces its param
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from tokenmill.ops.cpu_ops import cpu_ops
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
@@ -31,6 +34,16 @@ class MergedLinear(Linear):
         super().__init__(in_features, sum(out_sizes), bias=bias)
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         self.out_sizes = out_sizes
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a [gate | up] projection (the MLP's): [num_tokens, in] -> [num_tokens, out / 2].
+        The packed layers that replace this one on CPU (tokenmill.quant) fuse it into their GEMM."""
+        gate_up = self(x)  # [num_tokens, 2 * intermediate]
+        ops = cpu_ops(gate_up)
+        if ops is not None:
+            return ops.silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def _shard_index(self, shard_id: str | int | None) -> int:
         if not isinstance(shard_id, int):

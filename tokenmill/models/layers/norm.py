@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.models.layers.fused import cpu_ops
+from tokenmill.ops.cpu_ops import cpu_ops
 
 
 class RMSNorm(nn.Module):

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.ops.cpu_ops import cpu_ops
+
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
     """One dict with rope_theta and the scaling settings, from either transformers' v5 layout
@@ -71,8 +73,16 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(
     rotary: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [num_tokens, Hq, D], k: [num_tokens, Hkv, D]."""
+    """q: [num_tokens, Hq, D], k: [num_tokens, Hkv, D] (views of the fused QKV output may be passed).
+    On CPU in float32 the C++ kernel rotates them in place, reading the rows where they lie; elsewhere
+    new tensors are returned."""
     cos, sin = rotary
+    ops = cpu_ops(q)
+    if ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+        n, num_heads, head_dim = q.shape
+        ops.rotary_(q.view(n, num_heads * head_dim), num_heads, head_dim, cos, sin)
+        ops.rotary_(k.view(n, k.shape[1] * head_dim), k.shape[1], head_dim, cos, sin)
+        return q, k
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -1,0 +1,109 @@
+"""Engine arguments: the command-line flags every CLI shares, and their resolution against the model and
+the machine into a frozen `EngineConfig`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from tokenmill.config import (
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    CacheConfig,
+    EngineArgs,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    resolve_kv_cache_dtype,
+)
+from tokenmill.loader.generation_config import describe_sampling_defaults, load_sampling_defaults
+from tokenmill.loader.model_source import ModelSource, resolve_precision, resolve_source
+from tokenmill.quant import check_quantization
+
+logger = logging.getLogger(__name__)
+
+
+def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
+    """The frozen config and the resolved model source (folder, tokenizer, eos ids)."""
+    if args.load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {args.load_format!r}; use one of {LOAD_FORMATS}.")
+    check_quantization(args.quantization)
+    dtype, weight_dtype = resolve_precision(args.dtype, args.device)
+    source = resolve_source(args.model, args.load_format)
+    hf_config = source.hf_config
+    model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
+    # Sliding-window attention is not implemented: stay within the window, where it is exact.
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        model_max = min(model_max, int(window))
+    max_model_len = min(args.max_model_len or model_max, model_max)
+    model = ModelConfig(
+        model=str(source.folder or args.model),
+        hf_config=hf_config,
+        dtype=dtype,
+        weight_dtype=weight_dtype,
+        max_model_len=max_model_len,
+        load_format=args.load_format,
+        seed=args.seed,
+        tokenizer=source.tokenizer,
+        quantization=args.quantization,
+        generation_config=args.generation_config,
+        sampling_defaults=load_sampling_defaults(args.generation_config, source.folder),
+    )
+    cache = CacheConfig(
+        block_size=args.block_size,
+        kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, weight_dtype, args.quantization,
+                                              args.device),
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    scheduler = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        policy=args.scheduling_policy,
+    )
+    config = EngineConfig(model, cache, scheduler, args.device, args.attention_backend,
+                          enforce_eager=args.enforce_eager)
+    logger.info("%s", describe_sampling_defaults(model.generation_config, model.sampling_defaults))
+    return config, source
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that builds an engine (names as in vLLM)."""
+    d = EngineArgs()
+    parser.add_argument("--model", default=None, help="HF folder, .gguf file or preset (default: embedded SmolLM2)")
+    parser.add_argument("--dtype", default=d.dtype, help="auto | bfloat16 | float32 | float16")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                        help="what the KV cache stores; auto: bf16 on a CPU running bf16 or int8 weights, "
+                             "else the model's dtype; int8 (CPU with AVX-512 BF16): per-token scales, half of bf16")
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                        help="CUDA: share of the GPU's memory for weights, activations and KV cache")
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    parser.add_argument("--load-format", default=d.load_format, help="auto | safetensors | gguf | dummy")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--device", default=d.device)
+    parser.add_argument("--attention-backend", default=d.attention_backend)
+    parser.add_argument("--scheduling-policy", default=d.scheduling_policy, help="fcfs | priority")
+    parser.add_argument("--quantization", default=d.quantization,
+                        help="int8: per-channel int8 weights quantized at load (default: none)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run every layer from Python: no CUDA graphs, no fused CPU decode stack")
+    parser.add_argument("--generation-config", default=d.generation_config, metavar="auto|vllm|FOLDER",
+                        help="sampling defaults for requests that leave them out: auto: the model's "
+                             "generation_config.json; vllm: ignore it (OpenAI's defaults); FOLDER: the "
+                             "generation_config.json in FOLDER")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = [f for f in EngineArgs.__dataclass_fields__ if f != "model"]
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}

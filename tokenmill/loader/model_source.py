@@ -1,0 +1,84 @@
+"""From a user's `model` argument to the model's files and config, and the precision it runs in."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenmill.loader import hf
+from tokenmill.loader.default_model import cache_dir, default_model_path
+from tokenmill.loader.gguf import gguf_to_hf_folder
+from tokenmill.loader.presets import PRESETS, preset_config
+from tokenmill.ops.build import cpu_has_avx512_bf16
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    folder: Path | None  # None for a dummy preset
+    hf_config: Any
+    tokenizer: str | None
+    eos_token_ids: list[int]
+
+
+def _gguf_folder(path: Path) -> Path:
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = cache_dir() / "gguf" / f"{path.stem}-{key}"
+    if not (folder / "config.json").is_file():
+        gguf_to_hf_folder(path, folder)
+    return folder
+
+
+def resolve_source(model: str | None, load_format: str) -> ModelSource:
+    """Find the model: the embedded default, a .gguf file, an HF folder, or a dummy preset."""
+    if model is None:
+        model = str(default_model_path())
+    if load_format == "dummy" and model in PRESETS:
+        cfg = preset_config(model)
+        return ModelSource(None, cfg, None, hf.eos_token_ids("/nonexistent", cfg))
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(
+            f"model {model!r} not found: give a local HF folder, a .gguf file, or with "
+            f"load_format='dummy' one of the presets {sorted(PRESETS)}."
+        )
+    if path.is_file() and path.suffix == ".gguf" or load_format == "gguf":
+        path = _gguf_folder(path)
+    cfg = hf.load_hf_config(path)
+    tokenizer = str(path) if hf.has_tokenizer(path) else None
+    return ModelSource(path, cfg, tokenizer, hf.eos_token_ids(path, cfg))
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    if dtype in ("bfloat16", "float32", "float16"):
+        return dtype
+    if dtype in ("bf16", "fp32", "fp16", "half", "float"):
+        return {"bf16": "bfloat16", "fp32": "float32", "float": "float32"}.get(dtype, "float16")
+    if dtype != "auto":
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, bfloat16, float16 or float32.")
+    if device.startswith("cuda") or cpu_has_bf16():
+        return "bfloat16"
+    return "float32"
+
+
+def resolve_precision(dtype: str, device: str) -> tuple[str, str | None]:
+    """(arithmetic dtype, weight rounding dtype or None). bf16 on a CPU means bf16 weights packed for
+    our C++ GEMM (quant/bf16.py) with float32 activations between the GEMMs (norms, residual stream,
+    attention): on CPUs with AVX-512 BF16 the GEMMs multiply bf16-rounded activations with bf16
+    dot-product instructions (float32 sums), elsewhere they widen the weights to float32 (torch's own
+    bf16 GEMMs run several times slower there; llama.cpp's CPU path does the same)."""
+    resolved = resolve_dtype(dtype, device)
+    if resolved == "bfloat16" and device == "cpu":
+        return "float32", "bfloat16"
+    return resolved, None
+
+
+def cpu_has_bf16() -> bool:
+    """True where the CPU computes bf16 natively (AVX-512 BF16 or AMX) and our kernels are built for it
+    (not under TOKENMILL_CPU_ISA=avx2); elsewhere fp32 is faster. See tokenmill/ops/build.py."""
+    return cpu_has_avx512_bf16()

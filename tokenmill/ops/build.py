@@ -1,0 +1,150 @@
+"""The one build loader for our C++ CPU kernels, compiled on first use with torch's extension builder
+and cached (in TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default).
+
+Every source and header lives in tokenmill/ops/csrc/; each extension is one .cpp file there:
+
+    paged_decode: decode attention over the paged KV cache (pybind module, `load`)
+    cpu_ops:      fused add+RMSNorm, SiLU-and-mul, in-place rotary, sampling (pybind module, `load`)
+    decode_stack: every decoder layer of a decode step in one call (pybind module, `load`)
+    packed_gemm:  the GEMM over packed int8 / bf16 weights, registered as torch.ops.tokenmill_quant.*
+                  (no pybind11, `load_ops`)
+
+The kernels themselves are headers (ops/csrc/*.h), shared by these modules.
+
+The instruction set: TOKENMILL_CPU_ISA=native (the default) compiles with -march=native, so the
+kernels pick their AVX-512 BF16 / VNNI paths where this CPU has them; TOKENMILL_CPU_ISA=avx2 compiles
+with -march=x86-64-v3 (AVX2 and FMA, no AVX-512), the path of CPUs without AVX-512, under other
+extension names (suffix _avx2) so both builds stay cached side by side. The C++ picks its paths at
+compile time (#ifdef __AVX512BF16__ and friends), so the flag alone decides which one runs; Python
+code that asks whether bf16 dot products are there asks `cpu_has_avx512_bf16`, which honours it."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = {name: CSRC / f"{name}.cpp" for name in ("paged_decode", "cpu_ops", "decode_stack", "packed_gemm")}
+HEADERS = CSRC
+ISA_ENV = "TOKENMILL_CPU_ISA"
+# TOKENMILL_CPU_ISA value -> the -march flag. x86-64-v3: AVX2, FMA, F16C, BMI2 (Haswell and later).
+MARCH = {"native": "-march=native", "avx2": "-march=x86-64-v3"}
+# The same flags for every module, so a kernel compiled into two of them rounds the same in both.
+# -fopenmp: at::parallel_for runs serially in code compiled without it.
+CFLAGS = [
+    "-O3",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+]
+# A build takes minutes at most; a lock file older than this was left by a build that was killed.
+_STALE_LOCK_S = 900.0
+
+
+@functools.cache
+def cpu_isa() -> str:
+    """The instruction set the kernels are built for in this process: "native" or "avx2"
+    (TOKENMILL_CPU_ISA, read once)."""
+    isa = (os.environ.get(ISA_ENV) or "native").strip().lower()
+    if isa not in MARCH:
+        raise ValueError(f"{ISA_ENV}={isa!r}: use one of {sorted(MARCH)}")
+    return isa
+
+
+def cflags() -> list[str]:
+    """The compiler flags of every extension: CFLAGS, the -march of `cpu_isa()`, the header digest."""
+    return [*CFLAGS, MARCH[cpu_isa()], headers_flag()]
+
+
+def extension_name(name: str) -> str:
+    """The cached extension's name: tokenmill_<name>, with _avx2 appended for the AVX2 build."""
+    return f"tokenmill_{name}" if cpu_isa() == "native" else f"tokenmill_{name}_{cpu_isa()}"
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    return frozenset(word for line in text.splitlines() if line.startswith("flags") for word in line.split())
+
+
+def cpu_has_avx2() -> bool:
+    """True where the CPU runs AVX2 and FMA (what TOKENMILL_CPU_ISA=avx2 compiles for)."""
+    return {"avx2", "fma"} <= _cpu_flags()
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """True where the CPU has AVX-512 BF16 dot products (or AMX bf16) and the kernels are built to use
+    them: False under TOKENMILL_CPU_ISA=avx2, whatever the CPU. Where it is False bf16 arithmetic
+    is slow on the CPU, so float32 (with bf16 weights widened in registers) is the faster path."""
+    if cpu_isa() != "native":
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+
+
+@functools.cache
+def load(name: str) -> ModuleType | None:
+    """The compiled pybind module `name` (a key of SOURCES), or None (with a warning) where it cannot
+    be built (no compiler, no ninja): callers then use their pure-PyTorch path."""
+    module = _build(name, python_module=True)
+    return module if isinstance(module, ModuleType) else None
+
+
+@functools.cache
+def load_ops(name: str) -> bool:
+    """Build and load the torch-op library `name` (its ops register under torch.ops); False (with a
+    warning) where it cannot be built."""
+    return _build(name, python_module=False) is not None
+
+
+def _build(name: str, python_module: bool) -> object:
+    """The loaded extension (a module, or the library's path for torch-op libraries); None where the
+    build failed."""
+    from torch.utils import cpp_extension
+
+    ext = extension_name(name)
+    _remove_stale_lock(Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()), ext)
+    try:
+        loaded = cpp_extension.load(
+            name=ext,
+            sources=[str(SOURCES[name])],
+            extra_cflags=cflags(),
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(HEADERS)],
+            is_python_module=python_module,  # False: registers torch ops, no pybind11 (builds in seconds)
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 (no compiler, no ninja: fall back, never fail the load)
+        logger.warning("could not build the C++ kernel %r (%s); using PyTorch ops instead", ext, exc)
+        return None
+    return ext if loaded is None else loaded
+
+
+@functools.cache
+def headers_flag() -> str:
+    """A define carrying a digest of our kernel headers: torch rebuilds a cached extension when its
+    sources or flags change, not its headers, so a changed header must change the flags."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(HEADERS.glob("*.h")))).hexdigest()[:16]
+    return f"-DTOKENMILL_HEADERS={digest}"
+
+
+def _remove_stale_lock(root: Path, ext: str) -> None:
+    """torch waits forever on a build lock; one left by a killed build would hang every later start."""
+    for lock in [*root.glob(f"{ext}/lock"), *root.glob(f"*/{ext}/lock")]:
+        try:
+            if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+                logger.warning("removing a stale build lock %s", lock)
+                lock.unlink()
+        except OSError:
+            pass

@@ -1,0 +1,406 @@
+// Every decoder layer of a CPU decode step (one new token per sequence) in one call from Python.
+//
+// A small model at batch 1 spends ~15 PyTorch calls per layer; issued from Python they cost as much
+// as the weight streaming they wrap. Here the same kernels (packed GEMM or float32 at::linear,
+// add+RMSNorm, rotary, paged decode attention, SiLU-and-mul) run back to back from C++, on the same
+// weights and cache.
+#include <torch/extension.h>
+
+#include <cstring>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "cpu_ops.h"
+#include "packed_gemm.h"
+#include "paged_decode.h"
+
+#if defined(TM_AVX512) && defined(TM_ATTN_AVX512)
+#define TM_DECODE_TEAM 1  // every op of a step in one parallel region (forward_team)
+#include "team.h"
+#endif
+
+namespace tokenmill {
+
+// Either packed (packed [P, K, 16] int8 or bf16, scale [P * 16], bias [P * 16], out_features; see
+// packed_gemm.h) or dense float32 (weight [N, K], an empty tensor, bias [N] or empty, N).
+using PackedLinear = std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t>;
+
+inline at::Tensor linear(const PackedLinear& w, const at::Tensor& x) {
+  const at::Tensor& weight = std::get<0>(w);
+  if (weight.dim() == 2) {  // float32 weights: the same op as the layer-by-layer path (nn.Linear)
+    const at::Tensor& bias = std::get<2>(w);
+    return bias.numel() ? at::linear(x, weight, bias) : at::linear(x, weight);
+  }
+  return gemm::packed_linear(x, weight, std::get<1>(w), std::get<2>(w), std::get<3>(w), false);
+}
+
+// silu(gate) * up of a [gate | up] projection: in the packed GEMM's epilogue where the halves are
+// whole panels (gemm::packed_linear), else after it (ops::silu_and_mul).
+inline at::Tensor linear_silu_mul(const PackedLinear& w, const at::Tensor& x) {
+  const at::Tensor& weight = std::get<0>(w);
+  const int64_t N = std::get<3>(w);
+  if (weight.dim() == 3 && gemm::halves_of_whole_panels(weight.size(0), N))
+    return gemm::packed_linear(x, weight, std::get<1>(w), std::get<2>(w), N, true);
+  return ops::silu_and_mul(linear(w, x));
+}
+
+struct Layer {
+  at::Tensor input_norm, post_attention_norm;  // [hidden]
+  PackedLinear qkv, o, gate_up, down;
+  at::Tensor kv_cache;  // [2, num_blocks, block_size, Hkv, D] float32 or bf16
+};
+
+class DecodeStack {
+ public:
+  // embedding: [vocab, hidden] float32; cos, sin: [max_position, D / 2] float32 (the rotary tables)
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+              at::Tensor final_norm, at::Tensor embedding, at::Tensor cos, at::Tensor sin)
+      : num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim),
+        eps_(eps),
+        scale_(scale),
+        final_norm_(std::move(final_norm)),
+        embedding_(std::move(embedding)),
+        cos_(std::move(cos)),
+        sin_(std::move(sin)) {
+    TORCH_CHECK(embedding_.dim() == 2 && embedding_.scalar_type() == at::kFloat, "embedding: [vocab, hidden] float32");
+    TORCH_CHECK(cos_.dim() == 2 && cos_.size(1) == head_dim / 2 && cos_.sizes() == sin_.sizes() &&
+                    cos_.scalar_type() == at::kFloat && sin_.scalar_type() == at::kFloat,
+                "cos, sin: [max_position, head_dim / 2] float32");
+    check_norm(final_norm_, "final_norm");
+  }
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, PackedLinear qkv, PackedLinear o,
+                 PackedLinear gate_up, PackedLinear down, at::Tensor kv_cache) {
+    TORCH_CHECK((kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16 ||
+                 attn::avx512_supports(kv_cache)) &&
+                    kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(3) == num_kv_heads_ &&
+                    attn::cache_head_dim(kv_cache) == head_dim_,
+                "kv_cache: contiguous [2, num_blocks, block_size, Hkv, D] float32 or bf16 (or int8 where "
+                "paged_attention serves it)");
+    TORCH_CHECK(std::get<3>(qkv) == (num_heads_ + 2 * num_kv_heads_) * head_dim_, "qkv width");
+    check_norm(input_norm, "input_norm");
+    check_norm(post_attention_norm, "post_attention_norm");
+    Layer layer{std::move(input_norm), std::move(post_attention_norm),
+                std::move(qkv),        std::move(o),
+                std::move(gate_up),    std::move(down),
+                std::move(kv_cache)};
+#ifdef TM_DECODE_TEAM
+    const bool serves = team_serves(layer);
+    if (serves) {  // forward_team trusts these shapes inside its region: check them before keeping the layer
+      const int64_t hidden = embedding_.size(1);
+      const auto check = [](const PackedLinear& w, int64_t K, bool silu_mul) {
+        gemm::check_packed(std::get<0>(w), std::get<1>(w), std::get<2>(w), K, std::get<3>(w), silu_mul);
+      };
+      check(layer.qkv, hidden, false);
+      check(layer.o, num_heads_ * head_dim_, false);
+      check(layer.gate_up, hidden, true);
+      check(layer.down, std::get<3>(layer.gate_up) / 2, false);
+    }
+    team_serves_ = team_serves_ && serves;
+    for (const PackedLinear* w : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+      bf16_rows_ = bf16_rows_ || std::get<0>(*w).scalar_type() == at::kBFloat16;
+#endif
+    layers_.push_back(std::move(layer));
+  }
+
+  // input_ids, positions: [B] int64 (each sequence's new token); slot_mapping: [B] int64;
+  // block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (context length including the new token).
+  // Returns the final normed hidden states, [B, hidden].
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens) const {
+    TORCH_CHECK(input_ids.dim() == 1 && positions.sizes() == input_ids.sizes(), "input_ids, positions: [B]");
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == input_ids.numel(),
+                "slot_mapping: [B] int64");
+#ifdef TM_DECODE_TEAM
+    if (one_region()) return forward_team(input_ids, positions, slot_mapping, block_tables, seq_lens);
+#endif
+    const int64_t batch = input_ids.numel(), q_size = num_heads_ * head_dim_;
+    at::Tensor residual = embedding_.index_select(0, input_ids);  // [B, hidden], the residual stream
+    const at::Tensor cos = cos_.index_select(0, positions), sin = sin_.index_select(0, positions);  // [B, D / 2]
+    at::Tensor x;  // the normed activations
+    const at::Tensor slots = slot_mapping.contiguous();
+    const int64_t half = head_dim_ / 2;
+    const float* cos_rows = cos.data_ptr<float>();
+    const float* sin_rows = sin.data_ptr<float>();
+    for (const Layer& layer : layers_) {
+      if (!x.defined())  // layer 0 has no residual to add: the same op as the layer-by-layer path
+        x = at::rms_norm(residual, {residual.size(1)}, layer.input_norm, eps_);
+      else
+        ops::add_rms_norm_(x, residual, layer.input_norm, eps_);
+      at::Tensor qkv = linear(layer.qkv, x);  // [B, (Hq + 2 * Hkv) * D]
+      at::Tensor attn;                        // [B, Hq, D]
+#ifdef TM_ATTN_AVX512
+      if (attn::avx512_supports(layer.kv_cache)) {  // rotary and cache write inside the attention's items
+        attn = attn::decode_attention(qkv, num_heads_, layer.kv_cache, slots.data_ptr<int64_t>(), block_tables,
+                                      seq_lens, scale_, [&](float* head, int64_t seq) {
+                                        ops::rotate_head(head, cos_rows + seq * half, sin_rows + seq * half, half);
+                                      });
+      }
+#endif
+      if (!attn.defined()) {
+        ops::rotary_(qkv, num_heads_ + num_kv_heads_, head_dim_, cos, sin);
+        write_kv(qkv, layer.kv_cache, slots.data_ptr<int64_t>(), q_size);
+        at::Tensor q = qkv.narrow(1, 0, q_size).view({batch, num_heads_, head_dim_});  // read in place
+        attn = attn::paged_decode(q, layer.kv_cache, block_tables, seq_lens, scale_);
+      }
+      at::Tensor o = linear(layer.o, attn.view({batch, q_size}));
+      ops::add_rms_norm_(o, residual, layer.post_attention_norm, eps_);
+      x = linear(layer.down, linear_silu_mul(layer.gate_up, o));
+    }
+    ops::add_rms_norm_(x, residual, final_norm_, eps_);
+    return x;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // Whether forward runs a step's ops in one parallel region (forward_team), on where every layer
+  // allows it; switched off only to measure the op-by-op path against it (bench/scripts/one_region.py).
+  bool one_region() const {
+#ifdef TM_DECODE_TEAM
+    return team_on_ && team_serves_ && !layers_.empty();
+#else
+    return false;
+#endif
+  }
+
+  void set_one_region(bool on) {
+#ifdef TM_DECODE_TEAM
+    TORCH_CHECK(!on || (team_serves_ && !layers_.empty()),
+                "one parallel region needs packed AVX-512 GEMMs and a pair-layout cache in every layer");
+    team_on_ = on;
+#else
+    TORCH_CHECK(!on, "one parallel region needs the AVX-512 GEMM and attention kernels, not built here");
+#endif
+  }
+
+ private:
+  // forward_team reads the norms' weights as raw float32 rows inside its parallel region, where a
+  // failed check could not throw: check them here.
+  void check_norm(const at::Tensor& weight, const char* name) const {
+    TORCH_CHECK(weight.dim() == 1 && weight.size(0) == embedding_.size(1) && weight.is_contiguous() &&
+                    weight.scalar_type() == at::kFloat,
+                name, ": [hidden] float32, contiguous");
+  }
+
+#ifdef TM_DECODE_TEAM
+  // Whether forward_team runs a layer: packed AVX-512 GEMMs ([gate | up] in whole panels) and a
+  // cache in paged_attention's pair layout.
+  static bool team_serves(const Layer& layer) {
+    const auto packed = [](const PackedLinear& w) { return std::get<0>(w).dim() == 3; };
+    return packed(layer.qkv) && packed(layer.o) && packed(layer.gate_up) && packed(layer.down) &&
+           gemm::halves_of_whole_panels(std::get<0>(layer.gate_up).size(0), std::get<3>(layer.gate_up)) &&
+           attn::avx512_supports(layer.kv_cache);
+  }
+
+  // A GEMM's activation rows, each prepared by the thread that owns the row: int8 groups ([M, KP]
+  // values, [M, KP / 32] scales and offsets) or bf16 tiles ([ceil(M / 8)][KP / 2][8] pairs), KP
+  // the GEMM's padded in-features (the buffers fit the largest).
+  struct Rows {
+    at::Tensor values, scales, offsets, tiles;
+  };
+
+  Rows rows_for(int64_t M) const {
+    int64_t kp = 0;
+    for (const Layer& l : layers_)
+      for (const PackedLinear* w : {&l.qkv, &l.o, &l.gate_up, &l.down}) kp = std::max(kp, std::get<0>(*w).size(1));
+    const auto i32 = at::TensorOptions().dtype(at::kInt);
+    return {at::empty({M * kp}, i32.dtype(at::kChar)),
+            at::empty({M * kp / gemm::avx512::kGroup}, i32.dtype(at::kFloat)),
+            at::empty({M * kp / gemm::avx512::kGroup}, i32), at::empty({(M + 7) / 8 * 8 * kp / 2}, i32)};
+  }
+
+  // Rows [m0, m1) of x ([M, K] float32, K the GEMM's in-features) into rows, as w's GEMM reads
+  // them; bf16 rows in whole tiles from m0, a multiple of kRows (as row_share's shares start).
+  static void prepare_rows(const PackedLinear& w, const float* x, int64_t K, int64_t m0, int64_t m1, Rows& rows) {
+    const at::Tensor& weight = std::get<0>(w);
+    const int64_t KP = weight.size(1), G = KP / gemm::avx512::kGroup;
+    constexpr int64_t kTile = gemm::avx512::kRows;
+    for (int64_t m = m0; m < m1; m += weight.scalar_type() == at::kChar ? 1 : kTile) {
+      if (weight.scalar_type() == at::kChar)
+        gemm::avx512::quantize_q8_row(x + m * K, K, KP, rows.values.data_ptr<int8_t>() + m * KP,
+                                      rows.scales.data_ptr<float>() + m * G, rows.offsets.data_ptr<int32_t>() + m * G);
+      else
+        gemm::avx512::bf16_tile(x + m * K, std::min(kTile, m1 - m), K, KP,
+                                reinterpret_cast<uint32_t*>(rows.tiles.data_ptr<int32_t>()) + m * KP / 2);
+    }
+  }
+
+  // Thread t's rows of M: an equal share, in whole bf16 tiles where any GEMM takes bf16 rows (a
+  // tile's rows interleave in every cache line: two threads writing one tile contend for its lines).
+  std::pair<int64_t, int64_t> row_share(int64_t M, int64_t t, int64_t threads) const {
+    const int64_t unit = bf16_rows_ ? gemm::avx512::kRows : 1, units = (M + unit - 1) / unit;
+    return {std::min(M, t * units / threads * unit), std::min(M, (t + 1) * units / threads * unit)};
+  }
+
+  // Thread t's share of w's GEMM over the M prepared rows: y [M, N] (silu_mul: [M, N / 2]).
+  static void gemm_share(const PackedLinear& w, Rows& rows, int64_t M, float* y, bool silu_mul, int64_t t,
+                         int64_t threads) {
+    const at::Tensor& weight = std::get<0>(w);
+    const int64_t P = weight.size(0), KP = weight.size(1), N = std::get<3>(w);
+    const auto run = [&](const auto* wp, const void* x, const float* group_scales, const int32_t* group_offsets) {
+      using W = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
+      const gemm::avx512::Problem<W> pr{wp,
+                                        KP * gemm::kPanel,
+                                        KP,
+                                        x,
+                                        group_scales,
+                                        group_offsets,
+                                        std::get<1>(w).data_ptr<float>(),
+                                        std::get<2>(w).data_ptr<float>(),
+                                        y,
+                                        N,
+                                        silu_mul ? N / 2 : N,
+                                        silu_mul ? P / 2 : 0};
+      gemm::avx512::run_share(pr, M, P, t, threads);
+    };
+    if (weight.scalar_type() == at::kChar)
+      run(weight.data_ptr<int8_t>(), rows.values.data_ptr<int8_t>(), rows.scales.data_ptr<float>(),
+          rows.offsets.data_ptr<int32_t>());
+    else
+      run(reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), rows.tiles.data_ptr<int32_t>(), nullptr,
+          nullptr);
+  }
+
+  // forward's step with every op in one parallel region (Team): per layer, each thread norms and
+  // prepares its own rows for the next GEMM, runs its share of the GEMM's panels, attends its
+  // items (rotary and cache write included); a barrier between dependent ops.
+  at::Tensor forward_team(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens) const {
+    const int64_t B = input_ids.numel(), hidden = embedding_.size(1), q_size = num_heads_ * head_dim_;
+    const int64_t qkv_width = (num_heads_ + 2 * num_kv_heads_) * head_dim_, half = head_dim_ / 2;
+    const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous(),
+                     slots = slot_mapping.contiguous();
+    TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt && tables.dim() == 2 &&
+                    tables.size(0) == B && lens.numel() == B,
+                "block_tables: [B, max_blocks] int32, seq_lens: [B] int32");
+    const int32_t* len = lens.data_ptr<int32_t>();
+    for (int64_t i = 0; i < B; ++i)  // the kernels trust these to address the cache
+      TORCH_CHECK(len[i] <= tables.size(1) * attn::avx512::kBlock, "sequence ", i, ": context ", len[i],
+                  " past its block table of ", tables.size(1), " blocks");
+    for (const Layer& layer : layers_)
+      attn::check_slots(slots.data_ptr<int64_t>(), B, layer.kv_cache.size(1) * layer.kv_cache.size(2));
+    at::Tensor residual = embedding_.index_select(0, input_ids);  // [B, hidden], the residual stream
+    const at::Tensor cos = cos_.index_select(0, positions), sin = sin_.index_select(0, positions);  // [B, D / 2]
+    at::Tensor x = at::rms_norm(residual, {hidden}, layers_[0].input_norm, eps_);  // as forward's layer 0
+    const auto f32 = residual.options();
+    at::Tensor qkv = at::empty({B, qkv_width}, f32), attn = at::empty({B, q_size}, f32);
+    at::Tensor h = at::empty({B, std::get<3>(layers_[0].gate_up) / 2}, f32);
+    Rows rows = rows_for(B);
+    const attn::avx512::Plan plan =
+        attn::avx512::plan_items(nullptr, len, B, num_heads_ / num_kv_heads_, num_kv_heads_);
+    float* xp = x.data_ptr<float>();
+    float* rp = residual.data_ptr<float>();
+    float* qkv_p = qkv.data_ptr<float>();
+    float* attn_p = attn.data_ptr<float>();
+    float* hp = h.data_ptr<float>();
+    const float* cos_rows = cos.data_ptr<float>();
+    const float* sin_rows = sin.data_ptr<float>();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int64_t inter = h.size(1);
+    const float eps = static_cast<float>(eps_);
+    Team::run([&](Team& team, int64_t t) {
+      const int64_t T = team.size();
+      const std::pair<int64_t, int64_t> share = row_share(B, t, T);
+      const int64_t r0 = share.first, r1 = share.second;  // this thread's rows
+      attn::avx512::Worker<int8_t> int8_worker;
+      attn::avx512::Worker<at::BFloat16> bf16_worker;
+      prepare_rows(layers_[0].qkv, xp, hidden, r0, r1, rows);
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        const Layer& layer = layers_[l];
+        team.sync();
+        gemm_share(layer.qkv, rows, B, qkv_p, false, t, T);
+        team.sync();
+        const auto attend = [&](auto* cache, auto& worker) {
+          const int64_t cache_half = layer.kv_cache.numel() / 2;
+          const auto prepare = [&](int64_t seq, int64_t kvh0, int64_t heads) {
+            attn::rotate_and_write(qkv_p + seq * qkv_width, kvh0, heads, num_heads_, num_kv_heads_, head_dim_,
+                                   slot[seq], cache, cache_half, [&](float* head) {
+                                     ops::rotate_head(head, cos_rows + seq * half, sin_rows + seq * half, half);
+                                   });
+          };
+          attn::avx512::with_chunks(head_dim_, [&](auto c) {
+            for (int64_t w = t; w < static_cast<int64_t>(plan.workers.size()); w += T)
+              attn::avx512::attend_worker<c()>(plan, w, qkv_p, qkv_width, cache, cache + cache_half,
+                                               tables.data_ptr<int32_t>(), len, attn_p, num_heads_, num_kv_heads_,
+                                               tables.size(1), static_cast<float>(scale_), prepare, worker);
+          });
+        };
+        if (layer.kv_cache.scalar_type() == at::kChar)
+          attend(layer.kv_cache.data_ptr<int8_t>(), int8_worker);
+        else
+          attend(layer.kv_cache.data_ptr<at::BFloat16>(), bf16_worker);
+        team.sync();
+        prepare_rows(layer.o, attn_p, q_size, r0, r1, rows);
+        team.sync();
+        gemm_share(layer.o, rows, B, xp, false, t, T);  // x <- the attention's output projection
+        team.sync();
+        for (int64_t m = r0; m < r1; ++m)
+          ops::add_rms_norm_row(xp + m * hidden, rp + m * hidden, layer.post_attention_norm.data_ptr<float>(), hidden,
+                                eps);
+        prepare_rows(layer.gate_up, xp, hidden, r0, r1, rows);
+        team.sync();
+        gemm_share(layer.gate_up, rows, B, hp, true, t, T);
+        team.sync();
+        prepare_rows(layer.down, hp, inter, r0, r1, rows);
+        team.sync();
+        gemm_share(layer.down, rows, B, xp, false, t, T);  // x <- the MLP's output
+        team.sync();
+        const at::Tensor& next_norm = l + 1 < layers_.size() ? layers_[l + 1].input_norm : final_norm_;
+        for (int64_t m = r0; m < r1; ++m)
+          ops::add_rms_norm_row(xp + m * hidden, rp + m * hidden, next_norm.data_ptr<float>(), hidden, eps);
+        if (l + 1 < layers_.size()) prepare_rows(layers_[l + 1].qkv, xp, hidden, r0, r1, rows);
+      }
+    });
+    return x;
+  }
+
+  bool team_serves_ = true;  // every layer so far qualifies (team_serves)
+  bool team_on_ = true;
+  bool bf16_rows_ = false;  // some GEMM takes bf16 row tiles (row_share)
+#endif
+
+  // Copy each row's k and v heads (after rotary) into its cache slot of a plain [.., Hkv, D] cache
+  // (a cache in paged_attention's pair layout is written by attn::decode_attention); a bf16 cache
+  // rounds them to nearest even, as torch's conversion does in the layer-by-layer path.
+  void write_kv(const at::Tensor& qkv, const at::Tensor& kv_cache, const int64_t* slots, int64_t q_size) const {
+    const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+    attn::check_slots(slots, qkv.size(0), num_slots);
+    if (kv_cache.scalar_type() == at::kBFloat16)
+      write_rows(qkv, kv_cache.data_ptr<at::BFloat16>(), num_slots, slots, q_size);
+    else
+      write_rows(qkv, kv_cache.data_ptr<float>(), num_slots, slots, q_size);
+  }
+
+  template <typename T>
+  void write_rows(const at::Tensor& qkv, T* k_cache, int64_t num_slots, const int64_t* slots, int64_t q_size) const {
+    const int64_t kv_size = num_kv_heads_ * head_dim_;
+    T* v_cache = k_cache + num_slots * kv_size;
+    const float* rows = qkv.data_ptr<float>();
+    for (int64_t b = 0; b < qkv.size(0); ++b) {
+      const float* row = rows + b * qkv.stride(0) + q_size;
+      for (int64_t i = 0; i < kv_size; ++i) {
+        k_cache[slots[b] * kv_size + i] = static_cast<T>(row[i]);
+        v_cache[slots[b] * kv_size + i] = static_cast<T>(row[kv_size + i]);
+      }
+    }
+  }
+
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+  at::Tensor final_norm_, embedding_, cos_, sin_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace tokenmill
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<tokenmill::DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor, at::Tensor>())
+      .def("add_layer", &tokenmill::DecodeStack::add_layer)
+      .def("forward", &tokenmill::DecodeStack::forward)
+      .def_property_readonly("num_layers", &tokenmill::DecodeStack::num_layers)
+      .def_property("one_region", &tokenmill::DecodeStack::one_region, &tokenmill::DecodeStack::set_one_region);
+}

@@ -1,0 +1,17 @@
+// Registers the packed weight-only GEMM (packed_gemm.h) as torch.ops.tokenmill_quant.packed_linear
+// (and packed_linear_silu_mul, the MLP's gate and up projection with its activation).
+#include <torch/library.h>
+
+#include "packed_gemm.h"
+
+TORCH_LIBRARY(tokenmill_quant, m) {
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor scale, Tensor bias, int N) -> Tensor");
+  // silu(gate) * up of a [gate | up] projection: [M, N / 2] (packed_gemm.h)
+  m.def("packed_linear_silu_mul(Tensor x, Tensor packed, Tensor scale, Tensor bias, int N) -> Tensor");
+  m.def("packed_gemm_isa() -> str", &tokenmill::gemm::isa);  // "avx512" | "avx2" | "scalar"
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_quant, CPU, m) {
+  m.impl("packed_linear", &tokenmill::gemm::packed_linear_op);
+  m.impl("packed_linear_silu_mul", &tokenmill::gemm::packed_linear_silu_mul_op);
+}

@@ -1,0 +1,506 @@
+// Weight-only GEMM over narrow packed weights for CPUs: y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] + bias[n].
+//
+// The weights are bf16 (scale 1) or int8 (per-channel scale), packed once into panels of 16 output
+// channels, k-major, so decode, which is bound by reading the weights, moves 1/2 (bf16) or 1/4 (int8)
+// of the bytes of fp32 weights, in long sequential streams.
+// - bf16 panels: [P, K, 16] with the channels of each k interleaved [0, 8, 1, 9, ..., 7, 15]: one
+//   32-byte load splits into channels 0-7 and 8-15 (float32) with one shift and one mask, feeding
+//   FMAs against float32 activations.
+// - int8 panels: [P, K/2, 16, 2], k pairs side by side per channel (K padded to even): one 32-byte
+//   load sign-extends into two vectors of (k, k+1) int16 pairs, and vpmaddwd multiplies each pair by
+//   the row's (x[k], x[k+1]) and adds them, 16 multiply-adds per instruction with no conversion of
+//   the weights to float. For that, activation rows are quantized to int16 per row (scale
+//   max|x| / 32767: an error of at most 1.5e-5 of the row's largest value, far below the int8
+//   weights' own). bf16 panels are widened in registers inside every tile (a shift and a mask per 16
+//   weights: cheaper than a trip through a widened float32 copy of the panel at these row counts),
+//   and from kDequantizeRows rows on (prefill) both kinds are dequantized for a dense float32 GEMM.
+// These are the AVX2 layouts and kernels; CPUs with AVX-512 BF16 and VNNI take packed_gemm_avx512.h
+// (bf16 in k pairs, int8 in k quads against int8 activation groups) at every row count.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/silu.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TM_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#define TM_AVX512 1  // bf16 and int8 dot products: packed_gemm_avx512.h
+#endif
+#endif
+
+namespace tokenmill::gemm {
+
+constexpr int64_t kPanel = 16;            // output channels per panel
+constexpr int64_t kRows = 6;              // activation rows per register tile (12 accumulators)
+constexpr int64_t kRowBlock = 96;         // activation rows kept hot (L2) while all panels stream past
+constexpr int64_t kDequantizeRows = 512;  // from this many rows on, a dense float32 GEMM (see dense_linear)
+
+constexpr int64_t kFlushPairs = 128;  // int32 sums gain <= 2 * 127 * 32767 per k pair: flush well before 2^31
+
+// Element (k, channel c) of a panel, as float32.
+inline float weight_at(const uint16_t* panel, int64_t k, int64_t c) {  // bf16 is a float32's top half
+  const uint32_t bits = static_cast<uint32_t>(panel[k * kPanel + (c < 8 ? 2 * c : 2 * (c - 8) + 1)]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float weight_at(const int8_t* panel, int64_t k, int64_t c) {
+  return static_cast<float>(panel[(k / 2) * 2 * kPanel + 2 * c + (k % 2)]);
+}
+
+#ifdef TM_AVX2
+// One k step of a panel -> channels 0-7 and 8-15 as float32.
+inline void widen16(const uint16_t* w, __m256& lo, __m256& hi) {  // interleaved: even positions are 0-7
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// One register tile: MR activation rows x 16 output channels, over all of K. With few rows the
+// K loop is split into U interleaved partial sums so enough FMAs are in flight.
+template <int MR, int U, typename W>
+inline void tile(const float* x, int64_t ldx, const W* panel, int64_t K, __m256 (&out)[MR][2]) {
+  __m256 acc[U][MR][2];
+#pragma GCC unroll 8
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) acc[u][i][0] = acc[u][i][1] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + U <= K; k += U) {
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) {
+      __m256 w0, w1;
+      widen16(panel + (k + u) * kPanel, w0, w1);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k + u);
+        acc[u][i][0] = _mm256_fmadd_ps(xv, w0, acc[u][i][0]);
+        acc[u][i][1] = _mm256_fmadd_ps(xv, w1, acc[u][i][1]);
+      }
+    }
+  }
+  for (; k < K; ++k) {
+    __m256 w0, w1;
+    widen16(panel + k * kPanel, w0, w1);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);
+      acc[0][i][0] = _mm256_fmadd_ps(xv, w0, acc[0][i][0]);
+      acc[0][i][1] = _mm256_fmadd_ps(xv, w1, acc[0][i][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    out[i][0] = acc[0][i][0];
+    out[i][1] = acc[0][i][1];
+#pragma GCC unroll 8
+    for (int u = 1; u < U; ++u) {
+      out[i][0] = _mm256_add_ps(out[i][0], acc[u][i][0]);
+      out[i][1] = _mm256_add_ps(out[i][1], acc[u][i][1]);
+    }
+  }
+}
+
+// y[0:num_cols] = acc * row_scale * scale + bias for one activation row of a panel.
+inline void store_row(const __m256 (&acc)[2], float row_scale, const float* scale, const float* bias, float* y,
+                      int64_t num_cols) {
+  const __m256 rs = _mm256_set1_ps(row_scale);
+  const __m256 r0 = _mm256_fmadd_ps(_mm256_mul_ps(acc[0], rs), _mm256_loadu_ps(scale), _mm256_loadu_ps(bias));
+  const __m256 r1 = _mm256_fmadd_ps(_mm256_mul_ps(acc[1], rs), _mm256_loadu_ps(scale + 8), _mm256_loadu_ps(bias + 8));
+  if (num_cols == kPanel) {
+    _mm256_storeu_ps(y, r0);
+    _mm256_storeu_ps(y + 8, r1);
+  } else {  // the last, partial panel
+    alignas(32) float buf[kPanel];
+    _mm256_store_ps(buf, r0);
+    _mm256_store_ps(buf + 8, r1);
+    std::memcpy(y, buf, num_cols * sizeof(float));
+  }
+}
+
+template <int MR, int U, typename W>
+void rows(const float* x, int64_t ldx, const W* panel, int64_t K, const float* scale, const float* bias, float* y,
+          int64_t ldy, int64_t num_cols) {
+  __m256 out[MR][2];
+  tile<MR, U, W>(x, ldx, panel, K, out);
+  for (int i = 0; i < MR; ++i) store_row(out[i], 1.0f, scale, bias, y + i * ldy, num_cols);
+}
+
+// One activation row against two panels at once (each broadcast of x feeds both).
+template <typename W>
+inline void tile_pair(const float* x, const W* a, const W* b, int64_t K, __m256 (&out)[2][2]) {
+  __m256 acc[2][2][2];  // [panel][partial sum][channels 0-7 | 8-15]
+  for (auto& panel : acc)
+    for (auto& sum : panel) sum[0] = sum[1] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+#pragma GCC unroll 8
+    for (int u = 0; u < 2; ++u) {
+      const __m256 xv = _mm256_broadcast_ss(x + k + u);
+      __m256 w0, w1;
+      widen16(a + (k + u) * kPanel, w0, w1);
+      acc[0][u][0] = _mm256_fmadd_ps(xv, w0, acc[0][u][0]);
+      acc[0][u][1] = _mm256_fmadd_ps(xv, w1, acc[0][u][1]);
+      widen16(b + (k + u) * kPanel, w0, w1);
+      acc[1][u][0] = _mm256_fmadd_ps(xv, w0, acc[1][u][0]);
+      acc[1][u][1] = _mm256_fmadd_ps(xv, w1, acc[1][u][1]);
+    }
+  }
+  for (; k < K; ++k) {
+    const __m256 xv = _mm256_broadcast_ss(x + k);
+    __m256 w0, w1;
+    widen16(a + k * kPanel, w0, w1);
+    acc[0][0][0] = _mm256_fmadd_ps(xv, w0, acc[0][0][0]);
+    acc[0][0][1] = _mm256_fmadd_ps(xv, w1, acc[0][0][1]);
+    widen16(b + k * kPanel, w0, w1);
+    acc[1][0][0] = _mm256_fmadd_ps(xv, w0, acc[1][0][0]);
+    acc[1][0][1] = _mm256_fmadd_ps(xv, w1, acc[1][0][1]);
+  }
+#pragma GCC unroll 8
+  for (int p = 0; p < 2; ++p)
+#pragma GCC unroll 8
+    for (int h = 0; h < 2; ++h) out[p][h] = _mm256_add_ps(acc[p][0][h], acc[p][1][h]);
+}
+
+// One activation row (decode at batch 1) is bound by reading the weights. A thread's panels
+// [begin, end) are read as two sequential streams, its first and second half side by side: one
+// stream's prefetcher keeps too few cache-line fetches in flight to reach a core's memory bandwidth.
+// Calls pair(pa, pb) for panels read together and single(p) for an odd one left over.
+template <typename Pair, typename Single>
+void two_streams(int64_t begin, int64_t end, Pair pair, Single single) {
+  const int64_t half = (end - begin + 1) / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const int64_t pa = begin + j, pb = begin + half + j;
+    if (pb < end)
+      pair(pa, pb);
+    else
+      single(pa);
+  }
+}
+
+template <typename W>
+void gemv_two_streams(const float* x, const W* wp, int64_t K, int64_t N, int64_t begin, int64_t end, const float* scale,
+                      const float* bias, float* y) {
+  const auto cols = [&](int64_t p) { return std::min(kPanel, N - p * kPanel); };
+  two_streams(
+      begin, end,
+      [&](int64_t pa, int64_t pb) {
+        __m256 out[2][2];
+        tile_pair(x, wp + pa * K * kPanel, wp + pb * K * kPanel, K, out);
+        store_row(out[0], 1.0f, scale + pa * kPanel, bias + pa * kPanel, y + pa * kPanel, cols(pa));
+        store_row(out[1], 1.0f, scale + pb * kPanel, bias + pb * kPanel, y + pb * kPanel, cols(pb));
+      },
+      [&](int64_t p) {
+        rows<1, 4, W>(x, K, wp + p * K * kPanel, K, scale + p * kPanel, bias + p * kPanel, y + p * kPanel, 0, cols(p));
+      });
+}
+
+// ---------------------------------------------------------------- int8 weights x int16 activations
+// Activation rows quantized to int16 (see the top of this file): values [M, KP] zero padded, a scale per row.
+struct Int16Rows {
+  std::vector<int16_t> values;
+  std::vector<float> scales;
+};
+
+inline Int16Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t KP) {
+  Int16Rows q{std::vector<int16_t>(M * KP, 0), std::vector<float>(M, 1.0f)};
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+    if (!(amax > 0.0f)) continue;  // an all-zero row stays zero
+    q.scales[m] = amax / 32767.0f;
+    const float inv = 32767.0f / amax;
+    for (int64_t k = 0; k < K; ++k) q.values[m * KP + k] = static_cast<int16_t>(std::nearbyint(row[k] * inv));
+  }
+  return q;
+}
+
+// NP panels (two: two sequential streams at batch 1) x MR rows over all k pairs. The int32 sums are
+// moved to float32 every kFlushPairs pairs, before they could overflow.
+template <int NP, int MR>
+inline void tile_i16(const int16_t* x, int64_t ldx, const int8_t* const (&panels)[NP], int64_t pairs,
+                     __m256 (&out)[NP][MR][2]) {
+#pragma GCC unroll 8
+  for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) out[p][i][0] = out[p][i][1] = _mm256_setzero_ps();
+  for (int64_t t0 = 0; t0 < pairs; t0 += kFlushPairs) {
+    const int64_t t1 = std::min(pairs, t0 + kFlushPairs);
+    __m256i acc[NP][MR][2];
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) acc[p][i][0] = acc[p][i][1] = _mm256_setzero_si256();
+    for (int64_t t = t0; t < t1; ++t) {
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) {
+        const int8_t* w = panels[p] + t * 2 * kPanel;
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));  // 0-7
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kPanel)));
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          int32_t pair;  // (x[2t], x[2t + 1]) as one 32-bit lane
+          std::memcpy(&pair, x + i * ldx + 2 * t, sizeof pair);
+          const __m256i xv = _mm256_set1_epi32(pair);
+          acc[p][i][0] = _mm256_add_epi32(acc[p][i][0], _mm256_madd_epi16(w0, xv));
+          acc[p][i][1] = _mm256_add_epi32(acc[p][i][1], _mm256_madd_epi16(w1, xv));
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+        for (int h = 0; h < 2; ++h) out[p][i][h] = _mm256_add_ps(out[p][i][h], _mm256_cvtepi32_ps(acc[p][i][h]));
+  }
+}
+
+// Rows [m, m + MR) of one panel.
+template <int MR>
+void int8_rows(const Int16Rows& q, int64_t KP, int64_t m, const int8_t* panel, const float* scale, const float* bias,
+               float* y, int64_t ldy, int64_t num_cols) {
+  __m256 out[1][MR][2];
+  const int8_t* const panels[1] = {panel};
+  tile_i16<1, MR>(q.values.data() + m * KP, KP, panels, KP / 2, out);
+  for (int i = 0; i < MR; ++i) store_row(out[0][i], q.scales[m + i], scale, bias, y + i * ldy, num_cols);
+}
+
+// Fewer than kDequantizeRows rows of int8 weights, panels [begin, end).
+inline void int8_small(const Int16Rows& q, int64_t M, const int8_t* wp, int64_t KP, int64_t N, int64_t begin,
+                       int64_t end, const float* scale, const float* bias, float* y) {
+  const auto cols = [&](int64_t p) { return std::min(kPanel, N - p * kPanel); };
+  if (M == 1) {  // two panels side by side: two sequential streams (see two_streams)
+    two_streams(
+        begin, end,
+        [&](int64_t pa, int64_t pb) {
+          __m256 out[2][1][2];
+          const int8_t* const panels[2] = {wp + pa * KP * kPanel, wp + pb * KP * kPanel};
+          tile_i16<2, 1>(q.values.data(), KP, panels, KP / 2, out);
+          store_row(out[0][0], q.scales[0], scale + pa * kPanel, bias + pa * kPanel, y + pa * kPanel, cols(pa));
+          store_row(out[1][0], q.scales[0], scale + pb * kPanel, bias + pb * kPanel, y + pb * kPanel, cols(pb));
+        },
+        [&](int64_t p) {
+          int8_rows<1>(q, KP, 0, wp + p * KP * kPanel, scale + p * kPanel, bias + p * kPanel, y + p * kPanel, N,
+                       cols(p));
+        });
+    return;
+  }
+  for (int64_t p = begin; p < end; ++p) {
+    const int8_t* panel = wp + p * KP * kPanel;
+    const float* sp = scale + p * kPanel;
+    const float* bp = bias + p * kPanel;
+    for (int64_t m = 0; m < M; m += kRows) {
+      float* yp = y + m * N + p * kPanel;
+      switch (std::min(kRows, M - m)) {
+        case 6:
+          int8_rows<6>(q, KP, m, panel, sp, bp, yp, N, cols(p));
+          break;
+        case 5:
+          int8_rows<5>(q, KP, m, panel, sp, bp, yp, N, cols(p));
+          break;
+        case 4:
+          int8_rows<4>(q, KP, m, panel, sp, bp, yp, N, cols(p));
+          break;
+        case 3:
+          int8_rows<3>(q, KP, m, panel, sp, bp, yp, N, cols(p));
+          break;
+        case 2:
+          int8_rows<2>(q, KP, m, panel, sp, bp, yp, N, cols(p));
+          break;
+        default:
+          int8_rows<1>(q, KP, m, panel, sp, bp, yp, N, cols(p));
+      }
+    }
+  }
+}
+#endif
+
+}  // namespace tokenmill::gemm
+
+#ifdef TM_AVX512
+#include "packed_gemm_avx512.h"
+#endif
+
+namespace tokenmill::gemm {
+
+// Which kernels this build runs: "avx512" (bf16 activations rounded to bf16, dot products at every
+// row count), "avx2" (float32 arithmetic) or "scalar".
+inline std::string isa() {
+#if defined(TM_AVX512)
+  return "avx512";
+#elif defined(TM_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+// Scalar fallback (no AVX2/FMA at build time): same packed layout, same results up to rounding.
+template <typename W>
+void rows_scalar(const float* x, int64_t ldx, int64_t mr, const W* panel, int64_t K, const float* scale,
+                 const float* bias, float* y, int64_t ldy, int64_t num_cols) {
+  for (int64_t i = 0; i < mr; ++i) {
+    float acc[kPanel] = {0};
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t c = 0; c < kPanel; ++c) acc[c] += x[i * ldx + k] * weight_at(panel, k, c);
+    for (int64_t j = 0; j < num_cols; ++j) y[i * ldy + j] = acc[j] * scale[j] + bias[j];
+  }
+}
+
+template <typename W>
+void panel_rows(const float* x, int64_t ldx, int64_t mr, const W* panel, int64_t K, const float* scale,
+                const float* bias, float* y, int64_t ldy, int64_t num_cols) {
+#ifdef TM_AVX2
+  if constexpr (std::is_same_v<W, int8_t>) {  // unused: small int8 GEMMs take int8_small
+    rows_scalar(x, ldx, mr, panel, K, scale, bias, y, ldy, num_cols);
+  } else {
+    switch (mr) {
+      case 6:
+        return rows<6, 1, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+      case 5:
+        return rows<5, 1, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+      case 4:
+        return rows<4, 1, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+      case 3:
+        return rows<3, 2, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+      case 2:
+        return rows<2, 2, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+      default:
+        return rows<1, 4, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+    }
+  }
+#else
+  rows_scalar(x, ldx, mr, panel, K, scale, bias, y, ldy, num_cols);
+#endif
+}
+
+// Prefill-sized batches: the GEMM is compute bound, and the BLAS sgemm beats our register tiles, so
+// widen the weight once to float32 (cheap next to 2*M*N*K flops) and let at::linear run it.
+template <typename W>
+at::Tensor dense_linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const at::Tensor& scale,
+                        const at::Tensor& bias, int64_t N) {
+  const int64_t K = x.size(1);
+  const int64_t NP = P * kPanel;
+  at::Tensor wt = at::empty({K, NP}, x.options());  // the weight transposed, [K, N padded]: panels stay contiguous
+  const float* sp = scale.data_ptr<float>();
+  float* dp = wt.data_ptr<float>();
+  at::parallel_for(0, K, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k)
+      for (int64_t p = 0; p < P; ++p)
+        for (int64_t c = 0; c < kPanel; ++c)
+          dp[k * NP + p * kPanel + c] = weight_at(wp + p * KP * kPanel, k, c) * sp[p * kPanel + c];
+  });
+  return at::addmm(bias.narrow(0, 0, N), x, wt.narrow(1, 0, N));
+}
+
+template <typename W>
+at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const at::Tensor& scale,
+                  const at::Tensor& bias, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1);
+#ifdef TM_AVX512
+  return avx512::linear(x, wp, P, KP, scale, bias, N);
+#endif
+  if (M >= kDequantizeRows) return dense_linear(x, wp, P, KP, scale, bias, N);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* sp = scale.data_ptr<float>();
+  const float* bp = bias.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#ifdef TM_AVX2
+  if constexpr (std::is_same_v<W, int8_t>) {  // integer multiply-adds never widen the weights
+    const Int16Rows q = quantize_rows(xp, M, K, KP);
+    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) { int8_small(q, M, wp, KP, N, begin, end, sp, bp, yp); });
+    return y;
+  } else if (M == 1) {
+    at::parallel_for(0, P, 1,
+                     [&](int64_t begin, int64_t end) { gemv_two_streams(xp, wp, K, N, begin, end, sp, bp, yp); });
+    return y;
+  }
+#endif
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+    const int64_t m1 = std::min(M, m0 + kRowBlock);
+    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = p * kPanel, num_cols = std::min(kPanel, N - n0);
+        const W* panel = wp + p * KP * kPanel;
+        for (int64_t m = m0; m < m1; m += kRows)
+          panel_rows(xp + m * K, K, std::min(kRows, m1 - m), panel, K, sp + n0, bp + n0, yp + m * N + n0, N, num_cols);
+      }
+    });
+  }
+  return y;
+}
+
+// Whether N outputs in P panels are [gate | up] halves of whole panels, as silu_mul pairs them.
+inline bool halves_of_whole_panels(int64_t P, int64_t N) { return N == P * kPanel && P % 2 == 0; }
+
+// x: [M, K] float32 contiguous; packed: [P, KP, 16] bf16 or int8 (layouts above and in packed_gemm_avx512.h);
+// scale, bias: [P * 16] float32
+// (scale all ones for bf16) -> [M, N] float32. With silu_mul (the outputs are [gate | up] halves of
+// whole panels: N == 16 P, P even) -> [M, N / 2], silu(gate) * up.
+// Throws unless packed ([P, KP, 16] int8 or bf16), scale and bias ([P * 16] float32) make a GEMM of
+// K in-features and N out-features (with silu_mul: [gate | up] halves of whole panels).
+inline void check_packed(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& bias, int64_t K,
+                         int64_t N, bool silu_mul) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(), "packed: contiguous [P, K, 16]");
+  const int64_t P = packed.size(0), KP = packed.size(1);
+  const bool int8 = packed.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 || packed.scalar_type() == at::kBFloat16, "packed weights must be int8 or bfloat16");
+#ifdef TM_AVX512  // bf16 panels in k pairs, int8 in k quads of whole groups (quant/panels.py)
+  const int64_t expected = int8 ? (K + avx512::kGroup - 1) / avx512::kGroup * avx512::kGroup : K + K % 2;
+#else
+  const int64_t expected = int8 ? K + K % 2 : K;
+#endif
+  TORCH_CHECK(KP == expected, "x has ", K, " features, the weight ", KP, " (expected ", expected, ")");
+  TORCH_CHECK(P * kPanel >= N && scale.numel() == P * kPanel && bias.numel() == P * kPanel &&
+                  scale.scalar_type() == at::kFloat && bias.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  bias.is_contiguous(),
+              "scale, bias: contiguous [P * 16] float32");
+  TORCH_CHECK(!silu_mul || halves_of_whole_panels(P, N), "silu_mul needs [gate | up] halves of whole panels");
+}
+
+inline at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                const at::Tensor& bias, int64_t N, bool silu_mul) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [M, K] float32");
+  check_packed(packed, scale, bias, x.size(1), N, silu_mul);
+  const int64_t P = packed.size(0), KP = packed.size(1);
+  const bool int8 = packed.scalar_type() == at::kChar;
+#ifdef TM_AVX512  // the activation in the GEMM's epilogue
+  if (int8) return avx512::linear(x, packed.data_ptr<int8_t>(), P, KP, scale, bias, N, silu_mul);
+  return avx512::linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, KP, scale, bias, N,
+                        silu_mul);
+#else
+  const at::Tensor y =
+      int8 ? linear(x, packed.data_ptr<int8_t>(), P, KP, scale, bias, N)
+           : linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, KP, scale, bias, N);
+  if (!silu_mul) return y;
+  return at::silu(y.narrow(1, 0, N / 2)).mul_(y.narrow(1, N / 2, N / 2));
+#endif
+}
+
+// The registered ops (packed_gemm.cpp).
+inline at::Tensor packed_linear_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                   const at::Tensor& bias, int64_t N) {
+  return packed_linear(x, packed, scale, bias, N, false);
+}
+
+inline at::Tensor packed_linear_silu_mul_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                            const at::Tensor& bias, int64_t N) {
+  return packed_linear(x, packed, scale, bias, N, true);
+}
+
+}  // namespace tokenmill::gemm

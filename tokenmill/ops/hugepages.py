@@ -1,0 +1,79 @@
+"""CPU tensors on 2 MiB pages (Linux transparent huge pages), for the memory a decode step streams.
+
+A CPU decode step reads every packed weight once and the KV cache blocks of every sequence. On 4 KiB
+pages a 134 MB model spans ~33,000 pages, each a TLB miss, and the hardware prefetchers stop at page
+boundaries; cache blocks lie anywhere in a pool of gigabytes, so nearly every block read misses the
+TLB. Where the kernel's huge pages are "madvise" (Debian's default), memory gets them only when asked
+before it is first touched: `huge_empty` asks (madvise MADV_HUGEPAGE) for a 2 MiB-aligned range, and
+elsewhere is torch.empty. The KV cache (`zeros`) and the packed weights (`gather`: one buffer, in the
+order a decode step reads them) live there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import math
+import sys
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PAGE = 2 << 20  # bytes of a huge page (x86-64, arm64 with 4 KiB base pages)
+_MADV_HUGEPAGE = 14  # linux/mman.h
+_ALIGN = 64  # bytes between gathered tensors: whole cache lines, as the kernels' vector loads want
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise where huge pages can be asked for, else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[never]" in f.read():
+                return None
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def huge_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialized [nbytes] uint8 CPU tensor, on huge pages where the OS gives them: the whole
+    2 MiB pages inside it are asked for before anything touches them."""
+    madvise = _madvise()
+    if madvise is None or nbytes < PAGE:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    length = (nbytes + PAGE - 1) // PAGE * PAGE  # whole pages, all inside `raw` wherever it starts
+    raw = torch.empty(length + PAGE, dtype=torch.uint8)  # torch.empty leaves the pages untouched
+    start = -raw.data_ptr() % PAGE
+    if madvise(raw.data_ptr() + start, length, _MADV_HUGEPAGE) != 0:
+        logger.debug("madvise(MADV_HUGEPAGE) failed (errno %d): 4 KiB pages", ctypes.get_errno())
+    return raw[start : start + nbytes]  # a view: keeps `raw` alive
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor on huge pages where the OS gives them (see huge_empty)."""
+    return huge_empty(math.prod(shape) * dtype.itemsize).view(dtype).view(shape).zero_()
+
+
+def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` (same shapes and dtypes, contiguous) laid out one after another, each
+    64-byte aligned, in one huge-page buffer; the buffer lives as long as any of them."""
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += (t.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    arena = huge_empty(total)
+    copies = []
+    for t, offset in zip(tensors, offsets):
+        copy = arena[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+        copy.copy_(t)
+        copies.append(copy)
+    return copies

@@ -1,0 +1,73 @@
+"""Build the model on the meta device, fill it with its weights, then swap in the packed or quantized
+linear layers the CPU kernels run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import cast
+
+import torch
+from torch import nn
+
+from tokenmill.attention.backend import AttentionBackend
+from tokenmill.config import ModelConfig
+from tokenmill.loader import hf
+from tokenmill.loader.dummy import init_dummy_weights
+from tokenmill.models.layers.rotary import RotaryEmbedding
+from tokenmill.models.registry import model_class
+from tokenmill.ops import hugepages, packed_gemm
+from tokenmill.quant import Bf16Linear, Int8Linear, pack_bf16_weights, quantize_model
+from tokenmill.worker.model_interface import LoadsWeights
+
+
+def load_model(config: ModelConfig, folder: Path | None, backend: AttentionBackend, device: str) -> nn.Module:
+    dtype = getattr(torch, config.dtype)
+    cls = model_class(config.hf_config)
+    with torch.device("meta"):
+        model = cls(config.hf_config, backend, config.max_model_len)
+    model = model.to(dtype).to_empty(device=device)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_buffers(torch.device(device))
+    if config.load_format == "dummy" or folder is None:
+        init_dummy_weights(model, config.seed)
+    else:
+        # The registry hands out nn.Module classes; every one of them loads HF checkpoints.
+        loaded = cast(LoadsWeights, model).load_weights(hf.iterate_weights(folder))
+        missing = {n for n, _ in model.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"the checkpoint in {folder} lacks {sorted(missing)[:5]} ...")
+    if config.weight_dtype is not None:
+        round_weights(model, getattr(torch, config.weight_dtype))
+    if config.quantization is not None:  # a module swap on the loaded float weights
+        quantize_model(model, config.quantization)
+    elif config.weight_dtype == "bfloat16" and device == "cpu":
+        if packed_gemm.available():  # half the bytes per decode step; the same numbers
+            pack_bf16_weights(model)
+    if device == "cpu":
+        place_packed_weights(model)
+    return model.eval()
+
+
+def place_packed_weights(model: nn.Module) -> None:
+    """Move the packed linear layers' tensors into one huge-page buffer (see tokenmill/ops/hugepages.py),
+    in module order: the order a decode step reads them."""
+    owners = [
+        (module, name)
+        for module in model.modules()
+        if isinstance(module, (Bf16Linear, Int8Linear))
+        for name, buffer in module.named_buffers(recurse=False)
+        if buffer.device.type == "cpu"
+    ]
+    if not owners:
+        return
+    copies = hugepages.gather([getattr(module, name) for module, name in owners])
+    for (module, name), copy in zip(owners, copies):
+        setattr(module, name, copy)
+
+
+@torch.no_grad()
+def round_weights(model: nn.Module, dtype: torch.dtype) -> None:
+    """Round every parameter to `dtype` in place, keeping its storage dtype."""
+    for param in model.parameters():
+        param.copy_(param.to(dtype))
