@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny random models of each supported family."""
+"""Shared fixtures: tiny random models of each supported family. And the tiers: every test is marked with
+its folder's name (unit, kernels, e2e, server; registered in pyproject.toml), so `pytest -m unit` runs
+the fast tier."""
 
 from __future__ import annotations
 
@@ -8,9 +10,16 @@ import pytest
 
 from tests.tiny_models import FAMILIES, make_tiny_model
 
+TESTS = Path(__file__).parent
+TIERS = ("unit", "kernels", "e2e", "server")
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: loads a real model or takes seconds (deselect: -m 'not slow')")
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = item.path.relative_to(TESTS).parts[0] if item.path.is_relative_to(TESTS) else None
+        if tier in TIERS:
+            item.add_marker(tier)
 
 
 @pytest.fixture(scope="session", params=list(FAMILIES))

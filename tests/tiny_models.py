@@ -9,19 +9,32 @@ import torch
 
 # Small but not trivial: GQA (4 query heads on 2 KV heads), several blocks per prompt.
 TINY = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
     # Wider than the default 0.02 so logits are far apart and greedy ties cannot flip between
     # two correct implementations that round differently.
-    initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": dict(model_type="llama", tie_word_embeddings=False),
     "llama-tied-rope-scaling": dict(
-        model_type="llama", tie_word_embeddings=True,
-        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        model_type="llama",
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
     "mistral": dict(model_type="mistral", tie_word_embeddings=False, sliding_window=None),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),

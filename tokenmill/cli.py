@@ -28,8 +28,10 @@ CLI_SAMPLING_DEFAULTS = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "to
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
     fallback = ", ".join(f"{name}={value}" for name, value in CLI_SAMPLING_DEFAULTS.items())
-    group = parser.add_argument_group("sampling", "flags left out take the model's generation_config.json "
-                                      f"values (see --generation-config), else {fallback}")
+    group = parser.add_argument_group(
+        "sampling",
+        f"flags left out take the model's generation_config.json values (see --generation-config), else {fallback}",
+    )
     group.add_argument("--max-tokens", type=int, default=None)
     group.add_argument("--temperature", type=float, default=None)
     group.add_argument("--top-p", type=float, default=None)
@@ -39,8 +41,12 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
 def _sampling_params(args: argparse.Namespace, model_defaults: dict[str, float | int]) -> SamplingParams:
     from tokenmill.sampling_params import SamplingParams, with_defaults
 
-    explicit = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                "top_k": args.top_k}
+    explicit = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+    }
     return SamplingParams(**with_defaults(explicit, model_defaults, CLI_SAMPLING_DEFAULTS))
 
 
@@ -60,8 +66,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(f"\n>>> {prompt}\n{out.outputs[0].text.strip()}")
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(o.prompt_token_ids) for o in outputs)
-    print(f"\n{len(outputs)} requests, {num_in} prompt + {num_out} generated tokens in {elapsed:.2f} s: "
-          f"{num_out / elapsed:.1f} output tok/s")
+    print(
+        f"\n{len(outputs)} requests, {num_in} prompt + {num_out} generated tokens in {elapsed:.2f} s: "
+        f"{num_out / elapsed:.1f} output tok/s"
+    )
 
 
 def cmd_chat(args: argparse.Namespace) -> None:

@@ -114,8 +114,9 @@ class EngineArgs:
     generation_config: str = "auto"
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, weight_dtype: str | None, quantization: str | None,
-                           device: str) -> str:
+def resolve_kv_cache_dtype(
+    kv_cache_dtype: str, dtype: str, weight_dtype: str | None, quantization: str | None, device: str
+) -> str:
     """The KV cache's dtype. Only the CPU attention converts between the cache and the arithmetic dtype,
     and its C++ kernel reads float32 or bf16; its AVX-512 BF16 kernel also reads int8 (per token and
     head scales: attention/pair_layout.py), whose support the model runner checks once it knows the shapes."""

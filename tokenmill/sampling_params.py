@@ -12,12 +12,17 @@ MAX_N = 128
 _NO_TOP_K = 0
 # What the OpenAI API (and vLLM) use for a sampling field that neither the request nor the model sets.
 OPENAI_SAMPLING_DEFAULTS: dict[str, float | int] = {
-    "temperature": 1.0, "top_p": 1.0, "top_k": _NO_TOP_K, "min_p": 0.0, "repetition_penalty": 1.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": _NO_TOP_K,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
 }
 
 
-def with_defaults(explicit: Mapping[str, Any], model_defaults: Mapping[str, Any],
-                  fallback: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def with_defaults(
+    explicit: Mapping[str, Any], model_defaults: Mapping[str, Any], fallback: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The fields named in `explicit`, each from the first that sets it: `explicit` (None: left out by
     the caller), the model's defaults (its generation_config.json), then `fallback`. A field none of
     them sets is left out, so SamplingParams' own default applies."""
@@ -80,9 +85,7 @@ class SamplingParams:
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})."
-            )
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
         if not self.temperature >= 0.0:  # also rejects NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
@@ -118,9 +121,7 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids named by the request must exist in the model's vocabulary."""

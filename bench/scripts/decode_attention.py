@@ -28,7 +28,9 @@ def step_seconds(
     gen = torch.Generator().manual_seed(0)
     blocks_per_seq = -(-context // BLOCK)
     num_blocks = num_seqs * blocks_per_seq + 8
-    width = cache_row_width(HEAD_DIM, "int8" if cache_dtype == torch.int8 else "bfloat16")  # int8 rows carry their scale
+    width = cache_row_width(
+        HEAD_DIM, "int8" if cache_dtype == torch.int8 else "bfloat16"
+    )  # int8 rows carry their scale
     tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * blocks_per_seq].view(num_seqs, -1).int()
     slots = (tables.long().unsqueeze(-1) * BLOCK + torch.arange(BLOCK)).flatten()  # every slot of every table
     caches = []

@@ -65,8 +65,10 @@ def main() -> None:
         if pages == "4k":
             onto_small_pages(llm)
         engines[pages] = llm
-    print(f"{args.quantization or 'bf16'} weights, {kv} KV cache, context {args.context}: model forward ms "
-          f"(median of {args.rounds} x 10 steps per setting, interleaved)")
+    print(
+        f"{args.quantization or 'bf16'} weights, {kv} KV cache, context {args.context}: model forward ms "
+        f"(median of {args.rounds} x 10 steps per setting, interleaved)"
+    )
     print("| rows | huge pages ms | 4 KiB pages ms | speedup |\n|---|---|---|---|")
     with torch.inference_mode():
         for rows in args.rows:

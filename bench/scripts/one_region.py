@@ -28,8 +28,10 @@ def main() -> None:
     kv = "int8" if args.quantization == "int8" else "auto"
     llm = LLM(dtype="bfloat16", quantization=args.quantization, kv_cache_dtype=kv, max_num_seqs=max(args.rows))
     model = llm.engine.runner.model
-    print(f"{args.quantization or 'bf16'} weights, {kv} KV cache, context {args.context}: model forward ms "
-          f"(median of {args.rounds} x 10 steps per setting, interleaved)")
+    print(
+        f"{args.quantization or 'bf16'} weights, {kv} KV cache, context {args.context}: model forward ms "
+        f"(median of {args.rounds} x 10 steps per setting, interleaved)"
+    )
     print("| rows | one region ms | a region per op ms | speedup |\n|---|---|---|---|")
     with torch.inference_mode():
         for rows in args.rows:

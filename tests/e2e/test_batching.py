@@ -37,8 +37,9 @@ def test_seeded_sampling_is_independent_of_the_batch(llm: LLM) -> None:
 def test_n_samples_share_the_prompt_blocks(llm: LLM) -> None:
     prompt = random_prompts(1, 64, 64, seed=12)[0]
     hits_before = llm.engine.kv_cache.stats.hits
-    out = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [o.index for o in out.outputs] == [0, 1, 2, 3]
     assert all(len(o.token_ids) == 8 for o in out.outputs)
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # different seeds, different samples
@@ -48,12 +49,14 @@ def test_n_samples_share_the_prompt_blocks(llm: LLM) -> None:
 
 def test_max_tokens_and_stop_token_ids(llm: LLM) -> None:
     prompt = random_prompts(1, 10, 10, seed=13)[0]
-    free_run = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-                            use_tqdm=False)[0].outputs[0]
+    free_run = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert len(free_run.token_ids) == 8 and free_run.finish_reason == "length"
     stop_at = free_run.token_ids[3]
-    stopped = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop_at]),
-                           use_tqdm=False)[0].outputs[0]
+    stopped = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop_at]), use_tqdm=False
+    )[0].outputs[0]
     first = free_run.token_ids.index(stop_at)
     assert stopped.token_ids == free_run.token_ids[: first + 1]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_at
@@ -61,11 +64,13 @@ def test_max_tokens_and_stop_token_ids(llm: LLM) -> None:
 
 def test_min_tokens_holds_back_stop_tokens(llm: LLM) -> None:
     prompt = random_prompts(1, 10, 10, seed=13)[0]
-    free_run = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-                            use_tqdm=False)[0].outputs[0]
+    free_run = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     stop_at = free_run.token_ids[0]
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, min_tokens=5,
-                                                stop_token_ids=[stop_at]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=8, min_tokens=5, stop_token_ids=[stop_at]), use_tqdm=False
+    )[0].outputs[0]
     assert len(out.token_ids) >= 5
     assert stop_at not in out.token_ids[:5]
 

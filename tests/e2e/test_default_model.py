@@ -25,8 +25,11 @@ def llm() -> LLM:
 
 
 def test_default_model_knows_the_capital_of_france(llm: LLM) -> None:
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=32),
+        use_tqdm=False,
+    )[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # the model ends its answer with its eos token
 
@@ -49,7 +52,6 @@ def test_stop_string_is_cut_from_the_text(llm: LLM) -> None:
 
 
 def test_text_prompts_are_tokenized_with_the_model_tokenizer(llm: LLM) -> None:
-    out = llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=4),
-                       use_tqdm=False)[0]
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
     assert out.prompt_token_ids == llm.get_tokenizer().encode("The capital of France is")
     assert out.outputs[0].text == llm.get_tokenizer().decode(out.outputs[0].token_ids)

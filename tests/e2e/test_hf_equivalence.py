@@ -34,7 +34,8 @@ def hf_outputs(tiny_model: Path) -> dict[str, list[list[int]]]:
         "long": random_prompts(4, 100, 200, seed=2),
     }
     return {name: [hf_greedy(model, p, MAX_NEW) for p in prompts] for name, prompts in sets.items()} | {
-        f"{name}_prompts": prompts for name, prompts in sets.items()  # type: ignore[misc]
+        f"{name}_prompts": prompts
+        for name, prompts in sets.items()  # type: ignore[misc]
     }
 
 

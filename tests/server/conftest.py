@@ -45,11 +45,16 @@ def make_chat_model(folder: Path) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TINY["vocab_size"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=SPECIAL_TOKENS, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY["vocab_size"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     fast.chat_template = CHATML
     fast.save_pretrained(folder)
     return folder
@@ -76,8 +81,14 @@ def free_port() -> int:
 
 
 def engine_args(model: Path, **overrides: Any) -> EngineArgs:
-    kwargs: dict[str, Any] = {"model": str(model), "dtype": "float32", "max_model_len": 256, "num_kv_blocks": 128,
-                              "max_num_seqs": 16, "max_num_batched_tokens": 512}
+    kwargs: dict[str, Any] = {
+        "model": str(model),
+        "dtype": "float32",
+        "max_model_len": 256,
+        "num_kv_blocks": 128,
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 512,
+    }
     kwargs.update(overrides)
     return EngineArgs(**kwargs)
 
@@ -100,8 +111,11 @@ class RunningServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             snap = self.engine.snapshot  # what the engine last reported, wherever it runs
-            if not self.engine.streams and snap.num_running == snap.num_waiting == 0 and \
-                    snap.num_free_blocks == self.engine.num_blocks:
+            if (
+                not self.engine.streams
+                and snap.num_running == snap.num_waiting == 0
+                and snap.num_free_blocks == self.engine.num_blocks
+            ):
                 return
             time.sleep(0.02)
         raise AssertionError(f"still busy: {len(self.engine.streams)} streams, {self.free_blocks()} free blocks")
@@ -117,8 +131,9 @@ class RunningServer:
 
 
 @contextmanager
-def run_server(model: Path, config: ServerConfig | None = None, engine_process: bool = False,
-               **engine_overrides: Any) -> Iterator[RunningServer]:
+def run_server(
+    model: Path, config: ServerConfig | None = None, engine_process: bool = False, **engine_overrides: Any
+) -> Iterator[RunningServer]:
     """A real uvicorn server on a free loopback port, in a thread; stopped on exit. Its engine core runs
     on a thread (tests can reach into it) unless `engine_process`, as under `tokenmill serve`."""
     config = config or ServerConfig()

@@ -42,9 +42,27 @@ def test_summary_counts_the_servers_tokens(server: RunningServer) -> None:
 
 def test_cli_writes_a_json_report_and_a_sweep_plot(server: RunningServer, tmp_path: Path) -> None:
     out = tmp_path / "serve.json"
-    argv = ["serve", "--base-url", server.url, "--num-prompts", "4", "--vocab-size", "512", "--max-prompt-len",
-            "32", "--max-output-len", "6", "--sweep", "20,inf", "--plot", str(tmp_path / "sweep.png"),
-            "--goodput", "ttft:60000", "--output-json", str(out)]
+    argv = [
+        "serve",
+        "--base-url",
+        server.url,
+        "--num-prompts",
+        "4",
+        "--vocab-size",
+        "512",
+        "--max-prompt-len",
+        "32",
+        "--max-output-len",
+        "6",
+        "--sweep",
+        "20,inf",
+        "--plot",
+        str(tmp_path / "sweep.png"),
+        "--goodput",
+        "ttft:60000",
+        "--output-json",
+        str(out),
+    ]
     args = _parse(argv)
     args.func(args)
     report = json.loads(out.read_text())

@@ -63,5 +63,6 @@ def test_a_non_streaming_client_that_disconnects_is_aborted(chat_model: Path, tm
 
 def _aborted(server: RunningServer) -> float:
     sample = server.state.metrics.registry.get_sample_value(
-        "tokenmill:request_success_total", {"model_name": server.state.model_name, "finished_reason": "abort"})
+        "tokenmill:request_success_total", {"model_name": server.state.model_name, "finished_reason": "abort"}
+    )
     return sample or 0.0

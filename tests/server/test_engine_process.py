@@ -18,13 +18,22 @@ from tokenmill.engine.core_client import ProcessCoreClient
 
 
 def _greedy(server: RunningServer) -> list[Any]:
-    body = {"prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0, "ignore_eos": True, "n": 2,
-            "logprobs": 2, "echo": True}
+    body = {
+        "prompt": [5, 6, 7, 8],
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "n": 2,
+        "logprobs": 2,
+        "echo": True,
+    }
     with server.client() as client:
         r = client.post("/v1/completions", json=body)
     assert r.status_code == 200
-    return [(c["text"], c["logprobs"]["tokens"], c["logprobs"]["top_logprobs"], c["finish_reason"])
-            for c in r.json()["choices"]]
+    return [
+        (c["text"], c["logprobs"]["tokens"], c["logprobs"]["top_logprobs"], c["finish_reason"])
+        for c in r.json()["choices"]
+    ]
 
 
 def test_process_and_thread_engines_answer_the_same(chat_model: Path, server: RunningServer) -> None:

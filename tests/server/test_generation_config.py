@@ -82,5 +82,7 @@ def test_generation_config_vllm_ignores_the_file(ignoring_server: RunningServer)
 
 def test_the_startup_message_names_the_defaults(server: RunningServer, capsys: pytest.CaptureFixture[str]) -> None:
     print_usage(server.server)
-    assert ("sampling defaults from the model's generation_config.json: temperature=0.0, max_tokens=6 "
-            "(requests may override; --generation-config vllm to ignore)") in capsys.readouterr().out
+    assert (
+        "sampling defaults from the model's generation_config.json: temperature=0.0, max_tokens=6 "
+        "(requests may override; --generation-config vllm to ignore)"
+    ) in capsys.readouterr().out

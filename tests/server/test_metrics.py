@@ -7,13 +7,23 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.server.conftest import RunningServer
 
 EXPECTED = [
-    "tokenmill:num_requests_running", "tokenmill:num_requests_waiting", "tokenmill:kv_cache_usage_perc",
-    "tokenmill:num_preemptions", "tokenmill:prompt_tokens", "tokenmill:generation_tokens",
-    "tokenmill:request_success", "tokenmill:prefix_cache_queries", "tokenmill:prefix_cache_hits",
-    "tokenmill:time_to_first_token_seconds", "tokenmill:inter_token_latency_seconds",
-    "tokenmill:e2e_request_latency_seconds", "tokenmill:request_queue_time_seconds",
-    "tokenmill:request_prefill_time_seconds", "tokenmill:request_decode_time_seconds",
-    "tokenmill:iteration_tokens_total", "tokenmill:avg_prompt_throughput_toks_per_s",
+    "tokenmill:num_requests_running",
+    "tokenmill:num_requests_waiting",
+    "tokenmill:kv_cache_usage_perc",
+    "tokenmill:num_preemptions",
+    "tokenmill:prompt_tokens",
+    "tokenmill:generation_tokens",
+    "tokenmill:request_success",
+    "tokenmill:prefix_cache_queries",
+    "tokenmill:prefix_cache_hits",
+    "tokenmill:time_to_first_token_seconds",
+    "tokenmill:inter_token_latency_seconds",
+    "tokenmill:e2e_request_latency_seconds",
+    "tokenmill:request_queue_time_seconds",
+    "tokenmill:request_prefill_time_seconds",
+    "tokenmill:request_decode_time_seconds",
+    "tokenmill:iteration_tokens_total",
+    "tokenmill:avg_prompt_throughput_toks_per_s",
     "tokenmill:avg_generation_throughput_toks_per_s",
 ]
 
@@ -37,8 +47,10 @@ def test_metrics_have_vllm_names_and_count_traffic(server: RunningServer) -> Non
         assert r.status_code == 200
     server.wait_idle()
     after = scrape(server)
-    names = {k.split("{")[0].removesuffix("_total").removesuffix("_count").removesuffix("_sum")
-             .removesuffix("_created") for k in after}
+    names = {
+        k.split("{")[0].removesuffix("_total").removesuffix("_count").removesuffix("_sum").removesuffix("_created")
+        for k in after
+    }
     for name in EXPECTED:
         assert name in names or name.removesuffix("_total") in names, name
 

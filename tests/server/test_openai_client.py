@@ -25,8 +25,9 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
 
 
 def test_completion_returns_max_tokens_tokens_and_usage(client: openai.OpenAI) -> None:
-    out = client.completions.create(model=MODEL_NAME, prompt="Hello world", max_tokens=7,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL_NAME, prompt="Hello world", max_tokens=7, extra_body={"ignore_eos": True}
+    )
     assert out.object == "text_completion"
     assert out.choices[0].finish_reason == "length"
     assert out.usage is not None and out.usage.completion_tokens == 7
@@ -34,21 +35,33 @@ def test_completion_returns_max_tokens_tokens_and_usage(client: openai.OpenAI) -
 
 
 def test_completion_accepts_token_ids(client: openai.OpenAI) -> None:
-    out = client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7, 8], max_tokens=3,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=[5, 6, 7, 8], max_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert out.usage is not None and out.usage.prompt_tokens == 4 and out.usage.completion_tokens == 3
 
 
 def test_batched_prompts_get_one_choice_each_in_order(client: openai.OpenAI) -> None:
-    out = client.completions.create(model=MODEL_NAME, prompt=["Hello", "The capital"], max_tokens=2, n=2,
-                                    temperature=0.0, extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt=["Hello", "The capital"],
+        max_tokens=2,
+        n=2,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert out.choices[0].text == out.choices[1].text  # greedy: both samples of a prompt agree
 
 
 def test_streamed_completion_equals_the_unstreamed_one(client: openai.OpenAI) -> None:
-    kwargs = {"model": MODEL_NAME, "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0.0,
-              "extra_body": {"ignore_eos": True}}
+    kwargs = {
+        "model": MODEL_NAME,
+        "prompt": "The quick brown fox",
+        "max_tokens": 12,
+        "temperature": 0.0,
+        "extra_body": {"ignore_eos": True},
+    }
     whole = client.completions.create(**kwargs)  # type: ignore[call-overload]
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -78,36 +91,55 @@ def test_streamed_chat_equals_the_unstreamed_one(client: openai.OpenAI) -> None:
 
 
 def test_n_2_streams_both_choices(client: openai.OpenAI) -> None:
-    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=chat("Hi"), n=2, max_tokens=4,
-                                                 stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=chat("Hi"), n=2, max_tokens=4, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     finished = {c.choices[0].index: c.choices[0].finish_reason for c in chunks[1:] if c.choices[0].finish_reason}
     assert finished == {0: "length", 1: "length"}
 
 
 def test_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
-    free = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=24, temperature=0.0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
+    free = (
+        client.completions.create(
+            model=MODEL_NAME, prompt="Hello", max_tokens=24, temperature=0.0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     stop = free[4:6]
     assert len(stop) == 2
-    out = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=24, temperature=0.0,
-                                    stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    out = client.completions.create(
+        model=MODEL_NAME, prompt="Hello", max_tokens=24, temperature=0.0, stop=[stop], extra_body={"ignore_eos": True}
+    ).choices[0]
     assert out.finish_reason == "stop"
     assert out.text == free[: free.index(stop)]
 
 
 def test_seed_makes_sampling_reproducible(client: openai.OpenAI) -> None:
     def sample(seed: int) -> str | None:
-        return client.chat.completions.create(model=MODEL_NAME, messages=chat("Hi"), max_tokens=12, seed=seed,
-                                              temperature=1.0, extra_body={"ignore_eos": True}
-                                              ).choices[0].message.content
+        return (
+            client.chat.completions.create(
+                model=MODEL_NAME,
+                messages=chat("Hi"),
+                max_tokens=12,
+                seed=seed,
+                temperature=1.0,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .message.content
+        )
 
     assert sample(1234) == sample(1234)
     assert len({sample(s) for s in range(4)}) > 1
 
 
 def test_completion_logprobs(client: openai.OpenAI) -> None:
-    out = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4, logprobs=2, seed=7,
-                                    extra_body={"ignore_eos": True}).choices[0]
+    out = client.completions.create(
+        model=MODEL_NAME, prompt="Hello", max_tokens=4, logprobs=2, seed=7, extra_body={"ignore_eos": True}
+    ).choices[0]
     assert out.logprobs is not None
     assert len(out.logprobs.tokens or []) == 4 and "".join(out.logprobs.tokens or []) == out.text
     assert all(lp is not None and lp <= 0 for lp in out.logprobs.token_logprobs or [])
@@ -117,16 +149,23 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
 
 
 def test_echo_returns_the_prompt_and_its_logprobs(client: openai.OpenAI) -> None:
-    out = client.completions.create(model=MODEL_NAME, prompt="Hello world", max_tokens=2, echo=True, logprobs=1,
-                                    extra_body={"ignore_eos": True}).choices[0]
+    out = client.completions.create(
+        model=MODEL_NAME, prompt="Hello world", max_tokens=2, echo=True, logprobs=1, extra_body={"ignore_eos": True}
+    ).choices[0]
     assert out.text.startswith("Hello world")
     assert out.logprobs is not None and out.logprobs.token_logprobs is not None
     assert out.logprobs.token_logprobs[0] is None  # the first prompt token has no logprob
 
 
 def test_chat_logprobs(client: openai.OpenAI) -> None:
-    out = client.chat.completions.create(model=MODEL_NAME, messages=chat("Hi"), max_tokens=3, logprobs=True,
-                                         top_logprobs=3, extra_body={"ignore_eos": True}).choices[0]
+    out = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=chat("Hi"),
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    ).choices[0]
     assert out.logprobs is not None and out.logprobs.content is not None
     assert len(out.logprobs.content) == 3
     for entry in out.logprobs.content:

@@ -39,14 +39,21 @@ def test_generated_requests_never_get_a_5xx(fuzzed: RunningServer) -> None:
             examples = EXAMPLES.get(path, 5)
 
             @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
-            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                      phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+            @settings(
+                max_examples=examples,
+                deadline=None,
+                database=None,
+                derandomize=True,
+                phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )
             def run(case: schemathesis.Case) -> None:
                 nonlocal cases
                 cases += 1
                 response = case.call(base_url=fuzzed.url, timeout=30)
-                case.validate_response(response, checks=[not_a_server_error, status_code_conformance,
-                                                         response_schema_conformance])
+                case.validate_response(
+                    response, checks=[not_a_server_error, status_code_conformance, response_schema_conformance]
+                )
 
             try:
                 run()

@@ -38,9 +38,25 @@ def test_sigterm_drains_then_aborts_then_exits(chat_model: Path, tmp_path: Path)
     model = long_context_copy(chat_model, tmp_path / "model")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", str(model), "--port", str(port), "--dtype", "float32",
-           "--num-kv-blocks", "1024", "--max-num-seqs", "8", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
-           "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.cli",
+        "serve",
+        str(model),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        "1024",
+        "--max-num-seqs",
+        "8",
+        "--shutdown-timeout",
+        str(SHUTDOWN_TIMEOUT_S),
+        "--log-level",
+        "warning",
+    ]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:

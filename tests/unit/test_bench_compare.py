@@ -1,5 +1,6 @@
 """`tokenmill bench compare`: the driver protocol, the roofline arithmetic, the table and its ratios, and
-skipping peers that are not set up. No peer is installed here: peer results are written by hand."""
+skipping peers that are not set up. No peer is installed here: peer results are written by hand. tokenmill
+run through its own driver on an engine: tests/e2e/test_bench_e2e.py."""
 
 from __future__ import annotations
 
@@ -32,26 +33,44 @@ from tokenmill.bench.peers.drivers.peer_protocol import (
 from tokenmill.bench.roofline import MachineRates, ModelShape, decode_roofline
 
 SMOLLM2 = {  # SmolLM2-135M's config.json, the fields the roofline reads
-    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-    "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 8192,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
 }
 
 
 def _request(**overrides: object) -> PeerRequest:
     fields: dict[str, object] = {
-        "engine": "hf", "model": "/models/x", "dtype": "float32", "threads": 2, "seed": 0,
-        "runs": [[PeerPrompt([1, 2, 3], 4, 0.6), PeerPrompt([5], 2, 0.6)]], "options": {"batch_sizes": [8]},
+        "engine": "hf",
+        "model": "/models/x",
+        "dtype": "float32",
+        "threads": 2,
+        "seed": 0,
+        "runs": [[PeerPrompt([1, 2, 3], 4, 0.6), PeerPrompt([5], 2, 0.6)]],
+        "options": {"batch_sizes": [8]},
     }
     fields.update(overrides)
     return PeerRequest(**fields)  # type: ignore[arg-type]
 
 
 def _run(output_tokens: int, elapsed_s: float, variant: str | None = None) -> RunResult:
-    return RunResult(num_requests=4, prompt_tokens=400, output_tokens=output_tokens, elapsed_s=elapsed_s,
-                     generated_tokens=output_tokens, variant=variant)
+    return RunResult(
+        num_requests=4,
+        prompt_tokens=400,
+        output_tokens=output_tokens,
+        elapsed_s=elapsed_s,
+        generated_tokens=output_tokens,
+        variant=variant,
+    )
 
 
 # --- the protocol -------------------------------------------------------------------------------------------
+
 
 def test_request_survives_a_json_round_trip() -> None:
     request = _request(weights="/w/model-f32.gguf")
@@ -59,8 +78,15 @@ def test_request_survives_a_json_round_trip() -> None:
 
 
 def test_result_survives_a_json_round_trip() -> None:
-    result = PeerResult(engine="ct2", version="4.0", startup_s=1.5, warmup_s=0.2,
-                        runs=[_run(100, 2.0, "batch 16")], settings={"compute_type": "float32"}, notes=["n"])
+    result = PeerResult(
+        engine="ct2",
+        version="4.0",
+        startup_s=1.5,
+        warmup_s=0.2,
+        runs=[_run(100, 2.0, "batch 16")],
+        settings={"compute_type": "float32"},
+        notes=["n"],
+    )
     assert PeerResult.from_json(result.to_json()) == result
 
 
@@ -85,8 +111,7 @@ def test_static_batches_sort_by_output_length_and_keep_every_index_once() -> Non
 def test_serve_writes_the_result_or_the_failure(tmp_path: Path) -> None:
     request_path, result_path = tmp_path / "req.json", tmp_path / "res.json"
     request_path.write_text(_request().to_json())
-    assert serve(lambda r: PeerResult(engine=r.engine, runs=[_run(6, 1.0)]),
-                 [str(request_path), str(result_path)]) == 0
+    assert serve(lambda r: PeerResult(engine=r.engine, runs=[_run(6, 1.0)]), [str(request_path), str(result_path)]) == 0
     assert PeerResult.from_json(result_path.read_text()).runs == [_run(6, 1.0)]
 
     def broken(r: PeerRequest) -> PeerResult:
@@ -122,6 +147,7 @@ def test_run_driver_reports_a_driver_that_writes_nothing(tmp_path: Path, monkeyp
 
 # --- the roofline -------------------------------------------------------------------------------------------
 
+
 def test_smollm2_matmul_parameters_by_hand() -> None:
     # per layer: qkv (576 + 2*192) x 576 + o 576 x 576 + gate/up 3072 x 576 + down 576 x 1536 = 3,538,944
     # 30 layers + the LM head 49,152 x 576 = 106,168,320 + 28,311,552
@@ -135,8 +161,9 @@ def test_kv_bytes_per_token_by_hand() -> None:
 
 def test_decode_roofline_on_hand_computed_numbers() -> None:
     shape = ModelShape.from_hf_config(SMOLLM2)
-    rates = MachineRates(bandwidth_bytes_s=20e9, gemm_flops=100e9, gemm_dtype="float32", gemm_rows=64, threads=2,
-                         peak_gemm_flops=150e9)
+    rates = MachineRates(
+        bandwidth_bytes_s=20e9, gemm_flops=100e9, gemm_dtype="float32", gemm_rows=64, threads=2, peak_gemm_flops=150e9
+    )
     roof = decode_roofline(shape, rates, batch=64, avg_context=300, weight_dtype="float32", kv_dtype="float32")
     weight_bytes = 134_479_872 * 4  # 537,919,488
     kv_bytes = 64 * 300 * 46_080  # 884,736,000
@@ -167,12 +194,19 @@ def test_a_weight_bound_blas_rate_at_one_row_does_not_lower_the_ceiling() -> Non
 
 # --- the table ----------------------------------------------------------------------------------------------
 
+
 def test_summarize_reports_the_best_variant_by_median() -> None:
-    result = PeerResult(engine="hf", runs=[
-        _run(100, 1.0, "batch 8"), _run(100, 2.0, "batch 16"),
-        _run(100, 1.25, "batch 8"), _run(100, 0.8, "batch 16"),
-        _run(100, 5.0, "batch 8"), _run(100, 1.0, "batch 16"),
-    ])
+    result = PeerResult(
+        engine="hf",
+        runs=[
+            _run(100, 1.0, "batch 8"),
+            _run(100, 2.0, "batch 16"),
+            _run(100, 1.25, "batch 8"),
+            _run(100, 0.8, "batch 16"),
+            _run(100, 5.0, "batch 8"),
+            _run(100, 1.0, "batch 16"),
+        ],
+    )
     summary = summarize(result, expected_output_tokens=[100, 100, 100])
     assert summary.status == "ok" and summary.variant == "batch 16"
     assert summary.output_tok_s == 100.0  # median of 50, 125, 100
@@ -198,9 +232,11 @@ def test_summarize_turns_a_driver_error_into_a_failed_line() -> None:
 
 
 def test_ratios_and_roofline_fractions_are_against_tokenmill_and_the_ceiling() -> None:
-    engines = [EngineSummary("tokenmill", "ok", output_tok_s=300.0, total_tok_s=900.0),
-               EngineSummary("vllm", "ok", output_tok_s=200.0, total_tok_s=600.0),
-               EngineSummary("ct2", "skipped", note="ct2 is not set up")]
+    engines = [
+        EngineSummary("tokenmill", "ok", output_tok_s=300.0, total_tok_s=900.0),
+        EngineSummary("vllm", "ok", output_tok_s=200.0, total_tok_s=600.0),
+        EngineSummary("ct2", "skipped", note="ct2 is not set up"),
+    ]
     shape, rates = ModelShape.from_hf_config(SMOLLM2), MachineRates(20e9, 100e9, "float32", 64, 2, 150e9)
     roof = decode_roofline(shape, rates, 64, 300, "float32", "float32")
     add_ratios(engines, roof, shape, rates)
@@ -226,6 +262,7 @@ def test_no_ratio_without_a_tokenmill_result() -> None:
 
 # --- skipping -----------------------------------------------------------------------------------------------
 
+
 def test_a_peer_without_setup_json_is_not_set_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path))
     (tmp_path / "peers" / "ct2" / "venv" / "bin").mkdir(parents=True)
@@ -241,12 +278,15 @@ def test_compare_skips_peers_that_are_not_set_up(tmp_path: Path, monkeypatch: py
     model.mkdir()
     (model / "config.json").write_text(json.dumps(SMOLLM2))
     monkeypatch.setattr("tokenmill.bench.model_folder.resolve_model_folder", lambda m, seed=0: model)
-    monkeypatch.setattr("tokenmill.bench.roofline.measure_rates",
-                        lambda shape, dtype, batch, threads: MachineRates(20e9, 100e9, dtype, batch, threads))
+    monkeypatch.setattr(
+        "tokenmill.bench.roofline.measure_rates",
+        lambda shape, dtype, batch, threads: MachineRates(20e9, 100e9, dtype, batch, threads),
+    )
     ran: list[str] = []
     monkeypatch.setattr(compare, "run_driver", lambda name, *a, **k: ran.append(name))
-    opts = CompareOptions(workload="random-cpu", peers=list(PEERS), dtype="float32", num_prompts=2, repeat=1,
-                          include_tokenmill=False)
+    opts = CompareOptions(
+        workload="random-cpu", peers=list(PEERS), dtype="float32", num_prompts=2, repeat=1, include_tokenmill=False
+    )
     report = run_compare(opts, log=lambda _: None)
     assert ran == []  # no driver started
     assert [(e.engine, e.status) for e in report.engines] == [(p, "skipped") for p in PEERS]
@@ -256,17 +296,3 @@ def test_compare_skips_peers_that_are_not_set_up(tmp_path: Path, monkeypatch: py
 def test_compare_rejects_an_unknown_peer() -> None:
     with pytest.raises(ValueError, match="unknown peer"):
         run_compare(CompareOptions(peers=["sglang"]), log=lambda _: None)
-
-
-def test_compare_runs_tokenmill_through_its_driver(llama_model: Path, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path))
-    monkeypatch.setattr("tokenmill.bench.roofline.measure_rates",
-                        lambda shape, dtype, batch, threads: MachineRates(20e9, 100e9, dtype, batch, threads))
-    opts = CompareOptions(workload="random-cpu", model=str(llama_model), dtype="float32", num_prompts=2,
-                          max_prompt_len=16, max_output_len=4, repeat=2, threads=1)
-    report = run_compare(opts, log=lambda _: None)
-    [tm] = report.engines
-    assert tm.status == "ok", tm.error
-    assert len(tm.runs) == 2 and all(r["output_tokens"] == r["generated_tokens"] == 2 * 4 for r in tm.runs)
-    assert tm.ratio_to_tokenmill == 1.0

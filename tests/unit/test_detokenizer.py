@@ -1,18 +1,18 @@
 """IncrementalDetokenizer against `tokenizer.decode` of the whole sequence, the reference.
 
 No tokenizer can be downloaded here, so the tests train two small real ones: a GPT-2-style
-byte-level BPE and a Llama-style BPE (Metaspace, leading-space stripping, byte fallback).
+byte-level BPE and a Llama-style BPE (Metaspace, leading-space stripping, byte fallback). A real
+model's tokenizer (SmolLM2's): tests/e2e/test_detokenizer_e2e.py.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 
@@ -22,7 +22,6 @@ CORPUS = [
     "Hello world! café naïve façade señor Grüße. Stop here, or STOP! later.",
     "def main():\n    return 42  # the answer\n",
 ] * 30
-SMOLLM2_DIR = Path.home() / ".cache/tokenmill/models/SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +46,7 @@ def metaspace() -> PreTrainedTokenizerFast:
     tok.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
-    trainer = trainers.BpeTrainer(
-        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
-    )
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
     # Byte-fallback tokens <0x00>..<0xFF> live in the model's vocab, as in Llama's tokenizer.json.
     spec = json.loads(tok.to_str())
@@ -284,13 +281,3 @@ def test_update_after_stop_is_an_error(byte_level: PreTrainedTokenizerFast) -> N
 def test_empty_stop_string_is_rejected(byte_level: PreTrainedTokenizerFast) -> None:
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(byte_level, [], True, ["", "x"], False)
-
-
-@pytest.mark.skipif(not SMOLLM2_DIR.is_dir(), reason=f"no converted SmolLM2 tokenizer at {SMOLLM2_DIR}")
-def test_smollm2_tokenizer_streams_its_own_decode() -> None:
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
-    prompt_ids = tokenizer.encode("<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n")
-    ids = tokenizer.encode("Héllo wörld 你好 🙂 — done.") + [tokenizer.eos_token_id]
-    detok, deltas = stream(tokenizer, ids, prompt_ids=prompt_ids)
-    assert "".join(deltas) == detok.output_text == decode(tokenizer, ids)
-    assert not any("\ufffd" in delta for delta in deltas)

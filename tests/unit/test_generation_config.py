@@ -1,20 +1,17 @@
 """A model's sampling defaults from its generation_config.json (vLLM's --generation-config), and their
-precedence: a request's explicit value, then the model's default, then OpenAI's (or the CLI's)."""
+precedence: a request's explicit value, then the model's default, then OpenAI's (or the CLI's). Through an
+engine (the engine config, the offline API): tests/e2e/test_generation_config_e2e.py."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tokenmill import LLM, SamplingParams
 from tokenmill.cli import _sampling_params
-from tokenmill.config import EngineArgs
-from tokenmill.engine.engine_args import create_engine_config
 from tokenmill.loader.default_model import DEFAULT_MODEL_SAMPLING, _add_model_card_sampling
 from tokenmill.loader.generation_config import load_sampling_defaults, parse_sampling_defaults
 from tokenmill.sampling_params import OPENAI_SAMPLING_DEFAULTS, with_defaults
@@ -22,8 +19,15 @@ from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.serving import sampling_params
 
 # A generation_config.json as Qwen2.5-Instruct ships it: token ids, do_sample, and the sampling keys.
-QWEN_STYLE = {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "do_sample": True,
-              "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+QWEN_STYLE = {
+    "bos_token_id": 151643,
+    "eos_token_id": [151645, 151643],
+    "do_sample": True,
+    "temperature": 0.7,
+    "top_p": 0.8,
+    "top_k": 20,
+    "repetition_penalty": 1.05,
+}
 
 
 def write_generation_config(folder: Path, config: dict[str, Any]) -> Path:
@@ -38,7 +42,11 @@ def write_generation_config(folder: Path, config: dict[str, Any]) -> Path:
 def test_auto_reads_the_sampling_keys_of_the_model_folder(tmp_path: Path) -> None:
     write_generation_config(tmp_path, QWEN_STYLE)
     assert load_sampling_defaults("auto", tmp_path) == {
-        "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+    }
 
 
 def test_max_new_tokens_becomes_the_max_tokens_default() -> None:
@@ -81,25 +89,21 @@ def test_a_file_that_is_not_json_is_an_error(tmp_path: Path) -> None:
         load_sampling_defaults("auto", tmp_path)
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"temperature": -0.5}, "temperature must be >= 0"),
-    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-    ({"top_k": 1.5}, "top_k must be an integer"),
-    ({"temperature": "low"}, "temperature must be a number"),
-    ({"temperature": True}, "temperature must be a number"),
-    ({"max_new_tokens": 0}, "max_tokens must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": 1.5}, "top_k must be an integer"),
+        ({"temperature": "low"}, "temperature must be a number"),
+        ({"temperature": True}, "temperature must be a number"),
+        ({"max_new_tokens": 0}, "max_tokens must be an integer >= 1"),
+    ],
+)
 def test_a_bad_value_is_an_error_naming_the_file(config: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message) as err:
         parse_sampling_defaults(config, "/models/x/generation_config.json")
     assert "/models/x/generation_config.json" in str(err.value)
-
-
-def test_the_engine_config_carries_the_defaults(llama_model: Path, tmp_path: Path) -> None:
-    folder = write_generation_config(tmp_path, {"temperature": 0.3})
-    config, _ = create_engine_config(EngineArgs(model=str(llama_model), generation_config=str(folder)))
-    assert config.model.sampling_defaults == {"temperature": 0.3}
-    assert config.model.generation_config == str(folder)
 
 
 # ---------------------------------------------------------------------- precedence
@@ -155,38 +159,6 @@ def test_the_cli_takes_the_models_defaults_for_flags_left_out() -> None:
 
 def test_the_cli_stays_greedy_for_a_model_without_defaults() -> None:
     assert _sampling_params(cli_args(), {}).temperature == 0.0
-
-
-# ---------------------------------------------------------------------- the offline API
-
-
-@pytest.fixture(scope="module")
-def greedy_model(llama_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny llama whose generation_config.json asks for greedy decoding and 5 tokens."""
-    folder = tmp_path_factory.mktemp("greedy") / "model"
-    shutil.copytree(llama_model, folder)
-    config = json.loads((folder / "generation_config.json").read_text())
-    write_generation_config(folder, config | {"temperature": 0.0, "max_new_tokens": 5})
-    return folder
-
-
-def test_llm_default_sampling_params_come_from_the_model(greedy_model: Path) -> None:
-    llm = LLM(str(greedy_model), dtype="float32", num_kv_blocks=16, max_model_len=64)
-    params = llm.get_default_sampling_params()
-    assert (params.temperature, params.max_tokens, params.top_p) == (0.0, 5, 1.0)
-
-
-def test_llm_generate_without_sampling_params_uses_the_models_defaults(greedy_model: Path) -> None:
-    llm = LLM(str(greedy_model), dtype="float32", num_kv_blocks=16, max_model_len=64)
-    prompt = [10, 11, 12]  # greedy runs 5 tokens without meeting eos
-    default = llm.generate(prompt, use_tqdm=False)[0].outputs[0]
-    greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0].outputs[0]
-    assert default.token_ids == greedy.token_ids and len(default.token_ids) == 5
-
-
-def test_llm_with_generation_config_vllm_uses_samplingparams_own(greedy_model: Path) -> None:
-    llm = LLM(str(greedy_model), dtype="float32", num_kv_blocks=16, max_model_len=64, generation_config="vllm")
-    assert llm.get_default_sampling_params() == SamplingParams()
 
 
 # ---------------------------------------------------------------------- the embedded model's folder

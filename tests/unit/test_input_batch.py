@@ -13,10 +13,16 @@ def decoding(context_lens: list[int], block_size: int) -> list[RunnerRequestStat
     states, next_block = [], 100
     for i, n in enumerate(context_lens):
         blocks = n // block_size + 1
-        states.append(RunnerRequestState(
-            req_id=f"r{i}", num_prompt_tokens=max(1, n - 3), token_ids=[(11 * i + j) % 97 for j in range(n + 1)],
-            sampling_params=SamplingParams(), block_ids=[next_block - 7 * b for b in range(blocks)], num_computed_tokens=n,
-        ))
+        states.append(
+            RunnerRequestState(
+                req_id=f"r{i}",
+                num_prompt_tokens=max(1, n - 3),
+                token_ids=[(11 * i + j) % 97 for j in range(n + 1)],
+                sampling_params=SamplingParams(),
+                block_ids=[next_block - 7 * b for b in range(blocks)],
+                num_computed_tokens=n,
+            )
+        )
         next_block += 3 * blocks
     return states
 

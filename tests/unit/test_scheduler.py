@@ -44,8 +44,13 @@ def make_request(
         start = next(_prompt_starts)
         prompt = list(range(start, start + prompt_len))
     return Request(
-        req_id, prompt, SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]
-        eos_token_ids=frozenset({EOS}), priority=priority, arrival_time=arrival, prefill_leader=leader,
+        req_id,
+        prompt,
+        SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]
+        eos_token_ids=frozenset({EOS}),
+        priority=priority,
+        arrival_time=arrival,
+        prefill_leader=leader,
     )
 
 
@@ -76,8 +81,10 @@ class FakeRunner:
         for new in out.new_requests:
             assert new.req_id not in self.states
             self.states[new.req_id] = _RunnerState(
-                new.prompt_token_ids + new.output_token_ids, list(new.block_ids),
-                new.num_computed_tokens, len(new.prompt_token_ids),
+                new.prompt_token_ids + new.output_token_ids,
+                list(new.block_ids),
+                new.num_computed_tokens,
+                len(new.prompt_token_ids),
             )
         for cached in out.cached_requests:
             state = self.states[cached.req_id]

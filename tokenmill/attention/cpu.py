@@ -64,13 +64,19 @@ class SDPABackend:
             start, end = qsl[i], qsl[i + 1]
             if end - start == 1:
                 continue
-            out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache,
-                                           meta.block_tables[i], seq_len, scale)
+            out[start:end] = self._prefill(
+                q[start:end], k[start:end], v[start:end], kv_cache, meta.block_tables[i], seq_len, scale
+            )
         return out
 
     def _decode_rows(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-        max_seq_len: int, scale: float,
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        scale: float,
     ) -> torch.Tensor:
         if self._kernels is not None and kv_cache.dtype in (torch.float32, torch.bfloat16):
             return self._kernels.paged_decode(q.contiguous(), kv_cache, block_tables, seq_lens, scale)

@@ -46,6 +46,16 @@ def dequantize_int8_cache(cache: torch.Tensor) -> torch.Tensor:
     chunks = cache.view(2, num_blocks, heads, block * width)
     values = chunks[..., : block * dim].float()  # [2, nb, Hkv, 16 * D]
     scales = chunks[..., block * dim :].contiguous().view(torch.float32)  # [2, nb, Hkv, 16]
-    k = values[0].view(num_blocks, heads, dim // 2, block, 2).permute(0, 3, 1, 2, 4).reshape(num_blocks, block, heads, dim)
-    v = values[1].view(num_blocks, heads, block // 2, dim, 2).permute(0, 2, 4, 1, 3).reshape(num_blocks, block, heads, dim)
+    k = (
+        values[0]
+        .view(num_blocks, heads, dim // 2, block, 2)
+        .permute(0, 3, 1, 2, 4)
+        .reshape(num_blocks, block, heads, dim)
+    )
+    v = (
+        values[1]
+        .view(num_blocks, heads, block // 2, dim, 2)
+        .permute(0, 2, 4, 1, 3)
+        .reshape(num_blocks, block, heads, dim)
+    )
     return torch.stack([k, v]) * scales.permute(0, 1, 3, 2).unsqueeze(-1)

@@ -58,13 +58,21 @@ def _add_throughput_parser(subparsers: argparse._SubParsersAction) -> None:
     add_engine_args(parser)
     parser.add_argument("--workload", default="random-cpu", choices=list(WORKLOADS))
     parser.add_argument("--num-prompts", type=int, default=None, help="override the workload's request count")
-    parser.add_argument("--max-prompt-len", type=int, default=None,
-                        help="keep only the last N tokens of longer prompts (to fit a short context)")
+    parser.add_argument(
+        "--max-prompt-len",
+        type=int,
+        default=None,
+        help="keep only the last N tokens of longer prompts (to fit a short context)",
+    )
     parser.add_argument("--max-output-len", type=int, default=None, help="cap output lengths at N tokens")
-    parser.add_argument("--static-batching", action="store_true",
-                        help="fixed batches of --max-num-seqs requests, no refill (the baseline)")
-    parser.add_argument("--output-json", type=Path, default=None,
-                        help="write the command, machine, config and results here")
+    parser.add_argument(
+        "--static-batching",
+        action="store_true",
+        help="fixed batches of --max-num-seqs requests, no refill (the baseline)",
+    )
+    parser.add_argument(
+        "--output-json", type=Path, default=None, help="write the command, machine, config and results here"
+    )
     parser.add_argument("--progress", action="store_true", help="show a progress bar (adds overhead)")
     parser.set_defaults(func=cmd_throughput)
 
@@ -77,8 +85,12 @@ def cmd_throughput(args: argparse.Namespace) -> None:
 
     llm = LLM(args.model, **engine_kwargs(args))
     requests = make_workload(
-        args.workload, llm.config.model.vocab_size, seed=args.seed, num_requests=args.num_prompts,
-        max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len,
+        args.workload,
+        llm.config.model.vocab_size,
+        seed=args.seed,
+        num_requests=args.num_prompts,
+        max_prompt_len=args.max_prompt_len,
+        max_output_len=args.max_output_len,
     )
     check_fits(requests, llm.config.model.max_model_len)
     result = run_throughput(llm, requests, args.static_batching, args.max_num_seqs, use_tqdm=args.progress)
@@ -93,8 +105,13 @@ def cmd_throughput(args: argparse.Namespace) -> None:
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
             "machine": machine_info(),
             "config": engine_config(llm),
-            "workload": {"name": args.workload, "seed": args.seed, "num_requests": len(requests),
-                         "max_prompt_len": args.max_prompt_len, "max_output_len": args.max_output_len},
+            "workload": {
+                "name": args.workload,
+                "seed": args.seed,
+                "num_requests": len(requests),
+                "max_prompt_len": args.max_prompt_len,
+                "max_output_len": args.max_output_len,
+            },
             "results": result.to_dict(),
         }
         args.output_json.parent.mkdir(parents=True, exist_ok=True)

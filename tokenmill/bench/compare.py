@@ -83,8 +83,11 @@ class CompareReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "options": self.options, "model_folder": self.model_folder, "dtype": self.dtype,
-            "num_requests": self.num_requests, "rates": asdict(self.rates) if self.rates else None,
+            "options": self.options,
+            "model_folder": self.model_folder,
+            "dtype": self.dtype,
+            "num_requests": self.num_requests,
+            "rates": asdict(self.rates) if self.rates else None,
             "roofline": self.roofline.to_dict() if self.roofline else None,
             "engines": [asdict(e) for e in self.engines],
         }
@@ -127,17 +130,24 @@ def summarize(result: PeerResult, expected_output_tokens: list[int]) -> EngineSu
     if short:
         notes.insert(0, f"WARNING: produced {short[0][0]} of {short[0][1]} output tokens")
     return EngineSummary(
-        engine=result.engine, status="ok", note="; ".join(notes), version=result.version, variant=variant,
+        engine=result.engine,
+        status="ok",
+        note="; ".join(notes),
+        version=result.version,
+        variant=variant,
         output_tok_s=statistics.median(r.output_tok_s for r in runs),
         total_tok_s=statistics.median(r.total_tok_s for r in runs),
         requests_per_s=statistics.median(r.num_requests / r.elapsed_s for r in runs),
-        elapsed_s=statistics.median(r.elapsed_s for r in runs), startup_s=result.startup_s,
-        runs=[asdict(r) for r in result.runs], settings=result.settings,
+        elapsed_s=statistics.median(r.elapsed_s for r in runs),
+        startup_s=result.startup_s,
+        runs=[asdict(r) for r in result.runs],
+        settings=result.settings,
     )
 
 
-def add_ratios(engines: list[EngineSummary], roofline: Roofline | None, shape: ModelShape | None,
-               rates: MachineRates | None) -> None:
+def add_ratios(
+    engines: list[EngineSummary], roofline: Roofline | None, shape: ModelShape | None, rates: MachineRates | None
+) -> None:
     """Fill ratio_to_tokenmill and the roofline fractions of every engine that ran."""
     base = next((e.output_tok_s for e in engines if e.engine == TOKENMILL and e.status == "ok"), None)
     for e in engines:
@@ -155,19 +165,35 @@ def _pct(x: float | None) -> str:
 
 
 def format_table(report: CompareReport) -> str:
-    header = ("engine", "version", "output tok/s", "total tok/s", "req/s", "ratio to tokenmill",
-              "of roofline", "of compute", "note")
+    header = (
+        "engine",
+        "version",
+        "output tok/s",
+        "total tok/s",
+        "req/s",
+        "ratio to tokenmill",
+        "of roofline",
+        "of compute",
+        "note",
+    )
     rows = [header]
     for e in report.engines:
         if e.status != "ok":
             rows.append((e.engine, e.version or "", "-", "-", "-", "-", "-", "-", f"{e.status.upper()}: {e.note}"))
             continue
-        rows.append((
-            e.engine, e.version or "", f"{e.output_tok_s:.1f}", f"{e.total_tok_s:.1f}", f"{e.requests_per_s:.2f}",
-            f"{e.ratio_to_tokenmill:.2f}x" if e.ratio_to_tokenmill is not None else "-",
-            _pct(e.roofline_fraction), _pct(e.compute_fraction),
-            "; ".join(x for x in (e.variant or "", e.note) if x),
-        ))
+        rows.append(
+            (
+                e.engine,
+                e.version or "",
+                f"{e.output_tok_s:.1f}",
+                f"{e.total_tok_s:.1f}",
+                f"{e.requests_per_s:.2f}",
+                f"{e.ratio_to_tokenmill:.2f}x" if e.ratio_to_tokenmill is not None else "-",
+                _pct(e.roofline_fraction),
+                _pct(e.compute_fraction),
+                "; ".join(x for x in (e.variant or "", e.note) if x),
+            )
+        )
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(header) - 1)]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
     lines.insert(1, "-" * (sum(widths) + 2 * len(widths) + 4))
@@ -190,18 +216,27 @@ def plot(report: CompareReport, path: Path) -> str:
         return "no plot: matplotlib is missing (pip install 'tokenmill[plot]')"
     ran = [e for e in report.engines if e.status == "ok"]
     fig, ax = plt.subplots(figsize=(1.6 * max(len(ran), 3) + 2, 4.5))
-    bars = ax.bar([e.engine for e in ran], [e.output_tok_s for e in ran],
-                  color=["#d62728" if e.engine == TOKENMILL else "#1f77b4" for e in ran])
+    bars = ax.bar(
+        [e.engine for e in ran],
+        [e.output_tok_s for e in ran],
+        color=["#d62728" if e.engine == TOKENMILL else "#1f77b4" for e in ran],
+    )
     ax.bar_label(bars, labels=[f"{e.output_tok_s:.0f}" for e in ran])
     if report.roofline:
-        ax.axhline(report.roofline.ceiling_tok_s, color="gray", linestyle="--",
-                   label=f"decode roofline {report.roofline.ceiling_tok_s:.0f} tok/s ({report.roofline.bound})")
+        ax.axhline(
+            report.roofline.ceiling_tok_s,
+            color="gray",
+            linestyle="--",
+            label=f"decode roofline {report.roofline.ceiling_tok_s:.0f} tok/s ({report.roofline.bound})",
+        )
         ax.legend(loc="upper right")
     top = max([e.output_tok_s for e in ran] + [report.roofline.ceiling_tok_s if report.roofline else 0.0])
     ax.set_ylim(0, 1.25 * top if top > 0 else 1.0)
     workload = report.options.get("workload")
-    ax.set_title(f"{workload}, {Path(report.model_folder).name}, {report.dtype}: output tok/s "
-                 f"(median of {report.options.get('repeat')})")
+    ax.set_title(
+        f"{workload}, {Path(report.model_folder).name}, {report.dtype}: output tok/s "
+        f"(median of {report.options.get('repeat')})"
+    )
     ax.set_ylabel("output tokens / s")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -223,9 +258,17 @@ def run_compare(opts: CompareOptions, log: Callable[[str], None] = print) -> Com
     dtype = resolve_compare_dtype(opts.dtype)
     folder = resolve_model_folder(opts.model, opts.seed)
     config = read_config(folder)
-    runs = [make_workload(opts.workload, int(config["vocab_size"]), seed=opts.seed + r,
-                          num_requests=opts.num_prompts, max_prompt_len=opts.max_prompt_len,
-                          max_output_len=opts.max_output_len) for r in range(opts.repeat)]
+    runs = [
+        make_workload(
+            opts.workload,
+            int(config["vocab_size"]),
+            seed=opts.seed + r,
+            num_requests=opts.num_prompts,
+            max_prompt_len=opts.max_prompt_len,
+            max_output_len=opts.max_output_len,
+        )
+        for r in range(opts.repeat)
+    ]
     for requests in runs:
         check_fits(requests, int(config.get("max_position_embeddings") or 4096))
     expected = [sum(r.output_len for r in requests) for requests in runs]
@@ -239,8 +282,14 @@ def run_compare(opts: CompareOptions, log: Callable[[str], None] = print) -> Com
     roofline = decode_roofline(shape, rates, batch, avg_context, weight_dtype=dtype, kv_dtype=kv_dtype)
     log(format_roofline(rates, roofline))
 
-    base = PeerRequest(engine="", model=str(folder), dtype=dtype, threads=opts.threads, seed=opts.seed,
-                       runs=[to_prompts(r) for r in runs])
+    base = PeerRequest(
+        engine="",
+        model=str(folder),
+        dtype=dtype,
+        threads=opts.threads,
+        seed=opts.seed,
+        runs=[to_prompts(r) for r in runs],
+    )
     engines = ([TOKENMILL] if opts.include_tokenmill else []) + list(opts.peers)
     summaries = []
     for name in engines:
@@ -252,18 +301,19 @@ def run_compare(opts: CompareOptions, log: Callable[[str], None] = print) -> Com
     return CompareReport(asdict(opts), str(folder), dtype, len(runs[0]), rates, roofline, summaries)
 
 
-def _run_engine(name: str, base: PeerRequest, opts: CompareOptions, expected: list[int],
-                log: Callable[[str], None]) -> EngineSummary:
+def _run_engine(
+    name: str, base: PeerRequest, opts: CompareOptions, expected: list[int], log: Callable[[str], None]
+) -> EngineSummary:
     options = dict(opts.engine_options.get(name, {}))
     if opts.max_num_seqs and name in (TOKENMILL, "vllm", "llamacpp"):
         options.setdefault("max_num_seqs", opts.max_num_seqs)
     if name == TOKENMILL:
         request = replace(base, engine=name, options=options)
         # The project's own Python; the repo root on the path in case tokenmill is not installed.
-        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[2]),
-                                                             os.environ.get("PYTHONPATH")]))}
-        result = run_driver(name, sys.executable, "tokenmill_driver.py", request, env=env,
-                            timeout_s=opts.timeout_s)
+        env = {
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")]))
+        }
+        result = run_driver(name, sys.executable, "tokenmill_driver.py", request, env=env, timeout_s=opts.timeout_s)
         return summarize(result, expected)
     spec = PEERS[name]
     if not is_set_up(name):
@@ -275,9 +325,11 @@ def _run_engine(name: str, base: PeerRequest, opts: CompareOptions, expected: li
     try:
         weights = spec.prepare_weights(root, Path(base.model), base.dtype)
     except RuntimeError as exc:
-        return EngineSummary(name, "failed", note=f"weight conversion failed: {str(exc).splitlines()[0]}",
-                             error=str(exc))
+        return EngineSummary(
+            name, "failed", note=f"weight conversion failed: {str(exc).splitlines()[0]}", error=str(exc)
+        )
     request = replace(base, engine=name, options=options, weights=str(weights) if weights else None)
-    result = run_driver(name, venv_python(root), spec.driver, request, env=spec.driver_env(opts.threads),
-                        timeout_s=opts.timeout_s)
+    result = run_driver(
+        name, venv_python(root), spec.driver, request, env=spec.driver_env(opts.threads), timeout_s=opts.timeout_s
+    )
     return summarize(result, expected)

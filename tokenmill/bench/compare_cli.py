@@ -28,9 +28,10 @@ def _int_list(text: str) -> list[int]:
 
 def add_setup_peer_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "setup-peer", help="build a peer engine's own virtualenv under $TOKENMILL_CACHE/peers/NAME",
+        "setup-peer",
+        help="build a peer engine's own virtualenv under $TOKENMILL_CACHE/peers/NAME",
         description="Build a peer engine's virtualenv (idempotent: finished steps are skipped). "
-                    + "; ".join(f"{s.name}: {s.description}" for s in PEERS.values()),
+        + "; ".join(f"{s.name}: {s.description}" for s in PEERS.values()),
     )
     parser.add_argument("name", choices=list(PEERS))
     parser.add_argument("--force", action="store_true", help="delete the virtualenv and build it again")
@@ -44,16 +45,19 @@ def cmd_setup_peer(args: argparse.Namespace) -> None:
         record = setup_peer(PEERS[args.name], force=args.force)
     except RuntimeError as exc:
         sys.exit(f"setup of {args.name} failed: {exc}")
-    print(f"{args.name} {record['version']} is set up: {record['size_bytes'] / 2**30:.2f} GiB, "
-          f"{record['seconds']} s, python {record['python']}")
+    print(
+        f"{args.name} {record['version']} is set up: {record['size_bytes'] / 2**30:.2f} GiB, "
+        f"{record['seconds']} s, python {record['python']}"
+    )
 
 
 def add_compare_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "compare", help="the same requests through tokenmill and peer engines, side by side, with the roofline",
+        "compare",
+        help="the same requests through tokenmill and peer engines, side by side, with the roofline",
         description="Runs tokenmill and each set-up peer (in subprocesses) on the same workload and weights, "
-                    "reports median output/total tok/s of --repeat runs, the ratio to tokenmill and the fraction "
-                    "of this machine's roofline. Peers not set up are skipped with a note.",
+        "reports median output/total tok/s of --repeat runs, the ratio to tokenmill and the fraction "
+        "of this machine's roofline. Peers not set up are skipped with a note.",
     )
     parser.add_argument("--workload", default="random-cpu", choices=list(WORKLOADS))
     parser.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of {','.join(PEERS)}")
@@ -65,8 +69,12 @@ def add_compare_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per engine; the median is reported")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=_default_threads())
-    parser.add_argument("--max-num-seqs", type=int, default=None,
-                        help="concurrent sequences for tokenmill, vllm and llamacpp (default: each one's own)")
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="concurrent sequences for tokenmill, vllm and llamacpp (default: each one's own)",
+    )
     parser.add_argument("--hf-batch-sizes", type=_int_list, default=None, help="static batch sizes to try")
     parser.add_argument("--ct2-batch-sizes", type=_int_list, default=None, help="static batch sizes to try")
     parser.add_argument("--no-tokenmill", dest="include_tokenmill", action="store_false")
@@ -87,14 +95,26 @@ def cmd_compare(args: argparse.Namespace) -> None:
     if args.ct2_batch_sizes:
         engine_options["ct2"] = {"batch_sizes": args.ct2_batch_sizes}
     opts = CompareOptions(
-        workload=args.workload, peers=peers, model=args.model, dtype=args.dtype, num_prompts=args.num_prompts,
-        max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len, repeat=args.repeat,
-        seed=args.seed, threads=args.threads, max_num_seqs=args.max_num_seqs, timeout_s=args.timeout,
-        include_tokenmill=args.include_tokenmill, engine_options=engine_options,
+        workload=args.workload,
+        peers=peers,
+        model=args.model,
+        dtype=args.dtype,
+        num_prompts=args.num_prompts,
+        max_prompt_len=args.max_prompt_len,
+        max_output_len=args.max_output_len,
+        repeat=args.repeat,
+        seed=args.seed,
+        threads=args.threads,
+        max_num_seqs=args.max_num_seqs,
+        timeout_s=args.timeout,
+        include_tokenmill=args.include_tokenmill,
+        engine_options=engine_options,
     )
     report = run_compare(opts)
-    print(f"\n{args.workload}, {report.num_requests} requests, {Path(report.model_folder).name}, {report.dtype}, "
-          f"{opts.threads} threads, median of {opts.repeat}\n")
+    print(
+        f"\n{args.workload}, {report.num_requests} requests, {Path(report.model_folder).name}, {report.dtype}, "
+        f"{opts.threads} threads, median of {opts.repeat}\n"
+    )
     print(format_table(report))
     if args.plot:
         print(plot(report, args.plot))

@@ -69,8 +69,9 @@ def _fixed(prompt_len: int, output_len: int) -> RequestSampler:
     return _uniform((prompt_len, prompt_len), (output_len, output_len))
 
 
-def _lognormal_lengths(rng: np.random.Generator, n: int, mean: float, sigma: float, low: int,
-                       high: np.ndarray | int) -> np.ndarray:
+def _lognormal_lengths(
+    rng: np.random.Generator, n: int, mean: float, sigma: float, low: int, high: np.ndarray | int
+) -> np.ndarray:
     """Right-skewed lengths whose untruncated mean is `mean`, clipped to [low, high]."""
     mu = np.log(mean) - sigma**2 / 2
     return np.clip(np.rint(rng.lognormal(mu, sigma, size=n)), low, high).astype(int)
@@ -95,14 +96,24 @@ def _shared_prefix(rng: np.random.Generator, n: int, high: int) -> list[tuple[li
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in [
-        Workload("random-cpu", 64, "prompt 64-512, output 32-256, uniform (nano-vllm protocol, CPU size)",
-                 _uniform((64, 512), (32, 256)), temperature=0.6),
-        Workload("random-gpu", 256, "prompt 100-1024, output 100-1024, uniform (nano-vllm protocol)",
-                 _uniform((100, 1024), (100, 1024)), temperature=0.6),
-        Workload("sharegpt-like", 256, "log-normal: prompt mean ~226 (<= 1024), output ~199, total <= 2048",
-                 _sharegpt_like),
-        Workload("shared-prefix", 64, "1024-token shared prefix + 64 unique tokens, 128 out",
-                 _shared_prefix),
+        Workload(
+            "random-cpu",
+            64,
+            "prompt 64-512, output 32-256, uniform (nano-vllm protocol, CPU size)",
+            _uniform((64, 512), (32, 256)),
+            temperature=0.6,
+        ),
+        Workload(
+            "random-gpu",
+            256,
+            "prompt 100-1024, output 100-1024, uniform (nano-vllm protocol)",
+            _uniform((100, 1024), (100, 1024)),
+            temperature=0.6,
+        ),
+        Workload(
+            "sharegpt-like", 256, "log-normal: prompt mean ~226 (<= 1024), output ~199, total <= 2048", _sharegpt_like
+        ),
+        Workload("shared-prefix", 64, "1024-token shared prefix + 64 unique tokens, 128 out", _shared_prefix),
         Workload("fixed-1024-128", 64, "prompt 1024, output 128 (prefill-heavy)", _fixed(1024, 128)),
         Workload("fixed-128-1024", 64, "prompt 128, output 1024 (decode-heavy)", _fixed(128, 1024)),
     ]
@@ -126,8 +137,11 @@ def make_workload(
         raise ValueError(f"unknown workload {name!r}; use one of {', '.join(WORKLOADS)}.")
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}.")
-    for flag, value in (("num_requests", num_requests), ("max_prompt_len", max_prompt_len),
-                        ("max_output_len", max_output_len)):
+    for flag, value in (
+        ("num_requests", num_requests),
+        ("max_prompt_len", max_prompt_len),
+        ("max_output_len", max_output_len),
+    ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}.")
     workload = WORKLOADS[name]

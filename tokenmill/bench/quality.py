@@ -95,7 +95,11 @@ def perplexity(llm: Any, text: str = QUALITY_TEXT) -> float:
 
 
 def run_quality(
-    model: str | None, quantization: str, num_prompts: int = 20, max_tokens: int = 64, kv_cache_dtype: str = "auto",
+    model: str | None,
+    quantization: str,
+    num_prompts: int = 20,
+    max_tokens: int = 64,
+    kv_cache_dtype: str = "auto",
     **engine_kwargs: Any,
 ) -> QualityReport:
     """Build the unquantized engine (KV cache dtype auto), then the quantized one with `kv_cache_dtype`

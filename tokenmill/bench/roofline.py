@@ -123,8 +123,9 @@ class Roofline:
         return {**asdict(self), "ceiling_tok_s": self.ceiling_tok_s, "bound": self.bound}
 
 
-def decode_roofline(shape: ModelShape, rates: MachineRates, batch: int, avg_context: float,
-                    weight_dtype: str, kv_dtype: str) -> Roofline:
+def decode_roofline(
+    shape: ModelShape, rates: MachineRates, batch: int, avg_context: float, weight_dtype: str, kv_dtype: str
+) -> Roofline:
     """The decode ceiling (tok/s) of `batch` sequences whose KV caches hold `avg_context` tokens on average."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}.")
@@ -209,8 +210,11 @@ def measure_rates(shape: ModelShape, dtype: str, batch: int, threads: int) -> Ma
         bandwidth = measure_bandwidth()
         # int8 weights: the fastest of an int8, a bf16 and a float32 GEMM (engines such as llama.cpp or
         # an AVX2 build compute int8 weights in 16- or 32-bit arithmetic).
-        candidates = {"bfloat16": ["bfloat16", "float32"], "float16": ["float16", "float32"],
-                      "int8": ["int8", "bfloat16", "float32"]}.get(dtype, [dtype])
+        candidates = {
+            "bfloat16": ["bfloat16", "float32"],
+            "float16": ["float16", "float32"],
+            "int8": ["int8", "bfloat16", "float32"],
+        }.get(dtype, [dtype])
         best = max(candidates, key=lambda d: measure_gemm(shape, d, batch, min_seconds=0.1))
         label = dtype if best == dtype else f"{dtype} as {best}"
         # The peak is the better dtype at PEAK_ROWS, chosen again: at one row a 16-bit GEMM can win by

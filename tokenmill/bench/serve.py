@@ -70,8 +70,15 @@ class ServeResult:
 
 # ---------------------------------------------------------------------- one request
 async def send_request(client: httpx.AsyncClient, model: str, req: BenchRequest) -> RequestResult:
-    body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len, "ignore_eos": True,
-            "temperature": req.temperature, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": req.prompt_token_ids,
+        "max_tokens": req.output_len,
+        "ignore_eos": True,
+        "temperature": req.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     result = RequestResult(ok=False, prompt_tokens=len(req.prompt_token_ids))
     start = last = time.perf_counter()
     chunks = 0
@@ -110,21 +117,28 @@ async def send_request(client: httpx.AsyncClient, model: str, req: BenchRequest)
 
 
 # ---------------------------------------------------------------------- a run
-async def run_load(base_url: str, model: str, requests: list[BenchRequest], request_rate: float,
-                   max_concurrency: int | None, seed: int = 0, api_key: str | None = None,
-                   timeout_s: float = 3600.0) -> tuple[list[RequestResult], float]:
+async def run_load(
+    base_url: str,
+    model: str,
+    requests: list[BenchRequest],
+    request_rate: float,
+    max_concurrency: int | None,
+    seed: int = 0,
+    api_key: str | None = None,
+    timeout_s: float = 3600.0,
+) -> tuple[list[RequestResult], float]:
     """Send every request (Poisson arrivals at `request_rate`/s, all at once if inf); returns the
     results in request order and the wall time from the first send to the last response."""
     rng = np.random.default_rng(seed)
-    gaps = np.zeros(len(requests)) if math.isinf(request_rate) else rng.exponential(1.0 / request_rate,
-                                                                                   len(requests))
+    gaps = np.zeros(len(requests)) if math.isinf(request_rate) else rng.exponential(1.0 / request_rate, len(requests))
     limit = max_concurrency or len(requests)
     semaphore = asyncio.Semaphore(limit)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
 
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(timeout_s, connect=30.0)) as client:
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=headers, limits=limits, timeout=httpx.Timeout(timeout_s, connect=30.0)
+    ) as client:
 
         async def one(req: BenchRequest) -> RequestResult:
             async with semaphore:
@@ -140,8 +154,13 @@ async def run_load(base_url: str, model: str, requests: list[BenchRequest], requ
         return list(results), time.perf_counter() - start
 
 
-def summarize(results: list[RequestResult], duration_s: float, request_rate: float, max_concurrency: int | None,
-              goodput_slos_ms: dict[str, float] | None = None) -> ServeResult:
+def summarize(
+    results: list[RequestResult],
+    duration_s: float,
+    request_rate: float,
+    max_concurrency: int | None,
+    goodput_slos_ms: dict[str, float] | None = None,
+) -> ServeResult:
     ok = [r for r in results if r.ok]
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
@@ -157,12 +176,18 @@ def summarize(results: list[RequestResult], duration_s: float, request_rate: flo
         good = sum(1 for r in ok if _meets(r, goodput_slos_ms))
         goodput = good / duration_s if duration_s > 0 else 0.0
     return ServeResult(
-        request_rate=request_rate, max_concurrency=max_concurrency, duration_s=duration_s, completed=len(ok),
-        failed=len(results) - len(ok), prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+        request_rate=request_rate,
+        max_concurrency=max_concurrency,
+        duration_s=duration_s,
+        completed=len(ok),
+        failed=len(results) - len(ok),
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
         request_throughput=len(ok) / duration_s if duration_s > 0 else 0.0,
         output_throughput=output_tokens / duration_s if duration_s > 0 else 0.0,
         total_token_throughput=(prompt_tokens + output_tokens) / duration_s if duration_s > 0 else 0.0,
-        goodput=goodput, latency_ms=latency,
+        goodput=goodput,
+        latency_ms=latency,
         errors=sorted({r.error for r in results if not r.ok})[:10],
     )
 
@@ -176,8 +201,12 @@ def _stats_ms(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
     arr = np.asarray(values) * 1000
-    return {"mean": float(arr.mean()), "median": float(np.median(arr)), "p90": float(np.percentile(arr, 90)),
-            "p99": float(np.percentile(arr, 99))}
+    return {
+        "mean": float(arr.mean()),
+        "median": float(np.median(arr)),
+        "p90": float(np.percentile(arr, 90)),
+        "p99": float(np.percentile(arr, 99)),
+    }
 
 
 def format_result(result: ServeResult) -> str:
@@ -197,8 +226,12 @@ def format_result(result: ServeResult) -> str:
         rows.append(("goodput (req/s)", f"{result.goodput:.2f}"))
     for name in ("ttft", "tpot", "itl", "e2el"):
         s = result.latency_ms[name]
-        rows.append((f"{name.upper()} ms mean / median / p90 / p99",
-                     f"{s['mean']:.1f} / {s['median']:.1f} / {s['p90']:.1f} / {s['p99']:.1f}"))
+        rows.append(
+            (
+                f"{name.upper()} ms mean / median / p90 / p99",
+                f"{s['mean']:.1f} / {s['median']:.1f} / {s['p90']:.1f} / {s['p99']:.1f}",
+            )
+        )
     width = max(len(n) for n, _ in rows)
     text = "\n".join(f"  {n:<{width}}  {v}" for n, v in rows)
     if result.errors:
@@ -210,8 +243,10 @@ def format_result(result: ServeResult) -> str:
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `serve` to the `tokenmill bench` subcommands."""
     parser = subparsers.add_parser(
-        "serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, E2EL, throughput, goodput)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "serve",
+        help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, E2EL, throughput, goodput)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (without /v1)")
     parser.add_argument("--model", default=None, help="model id to send (default: the server's first model)")
@@ -220,13 +255,19 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser.add_argument("--num-prompts", type=int, default=None, help="override the workload's request count")
     parser.add_argument("--max-prompt-len", type=int, default=None)
     parser.add_argument("--max-output-len", type=int, default=None)
-    parser.add_argument("--vocab-size", type=int, default=32000,
-                        help="prompt token ids are drawn below min(this, 10000)")
+    parser.add_argument(
+        "--vocab-size", type=int, default=32000, help="prompt token ids are drawn below min(this, 10000)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds the workload and the arrival times")
     parser.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (Poisson), or inf")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
-    parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
-                        help="SLOs that count a request as good, e.g. ttft:2000 tpot:100 (also e2el)")
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="METRIC:MS",
+        help="SLOs that count a request as good, e.g. ttft:2000 tpot:100 (also e2el)",
+    )
     parser.add_argument("--warmup-requests", type=int, default=1, help="short requests sent before timing")
     parser.add_argument("--sweep", default=None, help="comma-separated request rates (e.g. 0.5,1,2,inf)")
     parser.add_argument("--plot", type=Path, default=None, help="with --sweep: write the PNG here")
@@ -259,15 +300,22 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY", "").split(",")[0] or None
     slos = parse_goodput(args.goodput)
-    requests = make_workload(args.workload, args.vocab_size, seed=args.seed, num_requests=args.num_prompts,
-                             max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len)
+    requests = make_workload(
+        args.workload,
+        args.vocab_size,
+        seed=args.seed,
+        num_requests=args.num_prompts,
+        max_prompt_len=args.max_prompt_len,
+        max_output_len=args.max_output_len,
+    )
     model = args.model or _first_model(args.base_url, api_key)
     rates = [_rate(r) for r in args.sweep.split(",")] if args.sweep else [args.request_rate]
     _warm_up(args.base_url, model, requests, args.warmup_requests, api_key)
     results = []
     for rate in rates:
-        raw, duration = asyncio.run(run_load(args.base_url, model, requests, rate, args.max_concurrency,
-                                             args.seed, api_key))
+        raw, duration = asyncio.run(
+            run_load(args.base_url, model, requests, rate, args.max_concurrency, args.seed, api_key)
+        )
         result = summarize(raw, duration, rate, args.max_concurrency, slos)
         print(f"\n{args.workload} against {args.base_url} ({model}), {len(requests)} requests")
         print(format_result(result), flush=True)
@@ -294,14 +342,20 @@ def _warm_up(base_url: str, model: str, requests: list[BenchRequest], n: int, ap
             raise RuntimeError(f"the warm-up request failed: {failed[0]}")
 
 
-def write_report(args: argparse.Namespace, model: str, results: list[ServeResult],
-                 slos: dict[str, float] | None) -> None:
+def write_report(
+    args: argparse.Namespace, model: str, results: list[ServeResult], slos: dict[str, float] | None
+) -> None:
     report = {
         "command": shlex.join(sys.argv),
         "base_url": args.base_url,
         "model": model,
-        "workload": {"name": args.workload, "seed": args.seed, "num_requests": args.num_prompts,
-                     "max_prompt_len": args.max_prompt_len, "max_output_len": args.max_output_len},
+        "workload": {
+            "name": args.workload,
+            "seed": args.seed,
+            "num_requests": args.num_prompts,
+            "max_prompt_len": args.max_prompt_len,
+            "max_output_len": args.max_output_len,
+        },
         "goodput_slos_ms": slos,
         "machine": _machine(),
         "results": [r.to_dict() for r in results],
@@ -334,14 +388,22 @@ def plot_sweep(results: list[ServeResult], path: Path) -> None:
     tput = [r.output_throughput for r in results]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     left.plot(xs, tput, "o-")
-    left.set_xlabel("request rate (req/s; rightmost = inf)" if any(math.isinf(r.request_rate) for r in results)
-                    else "request rate (req/s)")
+    left.set_xlabel(
+        "request rate (req/s; rightmost = inf)"
+        if any(math.isinf(r.request_rate) for r in results)
+        else "request rate (req/s)"
+    )
     left.set_ylabel("output throughput (tok/s)")
     left.grid(alpha=0.3)
     for metric, style in (("tpot", "o-"), ("ttft", "s--")):
         for stat in ("median", "p99"):
-            right.plot(tput, [r.latency_ms[metric][stat] for r in results], style,
-                       alpha=1.0 if stat == "median" else 0.5, label=f"{metric.upper()} {stat}")
+            right.plot(
+                tput,
+                [r.latency_ms[metric][stat] for r in results],
+                style,
+                alpha=1.0 if stat == "median" else 0.5,
+                label=f"{metric.upper()} {stat}",
+            )
     right.set_xlabel("output throughput (tok/s)")
     right.set_ylabel("latency (ms)")
     right.set_yscale("log")

@@ -61,8 +61,16 @@ class _EngineCounters:
     @classmethod
     def read(cls, llm: LLM) -> _EngineCounters:
         sched, cache, decode = llm.engine.scheduler.stats, llm.engine.kv_cache.stats, llm.engine.decode_stats
-        return cls(sched.num_steps, sched.num_preemptions, sched.kv_slots_used, sched.kv_slots_allocated,
-                   cache.queries, cache.hits, decode.tokens, decode.seconds)
+        return cls(
+            sched.num_steps,
+            sched.num_preemptions,
+            sched.kv_slots_used,
+            sched.kv_slots_allocated,
+            cache.queries,
+            cache.hits,
+            decode.tokens,
+            decode.seconds,
+        )
 
     def __sub__(self, other: _EngineCounters) -> _EngineCounters:
         return _EngineCounters(*(a - b for a, b in zip(asdict(self).values(), asdict(other).values())))

@@ -178,9 +178,7 @@ class Scheduler:
             request.num_preemptions,
         )
 
-    def _schedule_waiting(
-        self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData]
-    ) -> None:
+    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData]) -> None:
         deferred: list[Request] = []
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()

@@ -94,8 +94,9 @@ class AsyncEngine:
         self.config, source = create_engine_config(args)
         self.tokenizer: PreTrainedTokenizerBase | None = load_tokenizer(source.tokenizer) if source.tokenizer else None
         self.client: CoreClient = (ProcessCoreClient if engine_process else ThreadCoreClient)(self.config, source)
-        self.inputs = InputProcessor(self.tokenizer, self.config.model.vocab_size, source.eos_token_ids,
-                                     self.client.limits)
+        self.inputs = InputProcessor(
+            self.tokenizer, self.config.model.vocab_size, source.eos_token_ids, self.client.limits
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         self.stall_timeout_s = stall_timeout_s
         self.stats: StatsListener | None = None
@@ -146,7 +147,11 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests (event loop side)
     def prepare(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        priority: int = 0,
         prompt_token_ids: list[int] | None = None,
     ) -> PreparedRequest:
         """Tokenize and validate; raises ValueError with a message for the user."""
@@ -161,12 +166,17 @@ class AsyncEngine:
         if not self.streams:  # the engine had nothing to report while idle
             self._last_event = time.monotonic()
         stream = RequestStream(
-            prepared.request_id, prepared.children, len(prepared.prompt_token_ids),
+            prepared.request_id,
+            prepared.children,
+            len(prepared.prompt_token_ids),
             arrival_time if arrival_time is not None else time.monotonic(),
         )
         self.streams[prepared.request_id] = stream
         self.outputs.add_request(
-            prepared.request_id, prepared.prompt, prepared.prompt_token_ids, prepared.params,
+            prepared.request_id,
+            prepared.prompt,
+            prepared.prompt_token_ids,
+            prepared.params,
             [c.req_id for c in prepared.children],
         )
         seq = next(self._add_seq)
@@ -174,8 +184,7 @@ class AsyncEngine:
         self.client.add(seq, prepared.children)
         return stream
 
-    def generate(self, prepared: PreparedRequest, arrival_time: float | None = None
-                 ) -> AsyncIterator[RequestOutput]:
+    def generate(self, prepared: PreparedRequest, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         """Queue the request now, and return an iterator of its output after each step that changed it.
         If several steps' outputs are waiting, they come as one (its delta_text joins theirs).
         Closing the iterator early aborts the request (so does `abort`)."""

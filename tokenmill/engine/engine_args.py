@@ -53,8 +53,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
     )
     cache = CacheConfig(
         block_size=args.block_size,
-        kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, weight_dtype, args.quantization,
-                                              args.device),
+        kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, weight_dtype, args.quantization, args.device),
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -66,8 +65,9 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
         max_model_len=max_model_len,
         policy=args.scheduling_policy,
     )
-    config = EngineConfig(model, cache, scheduler, args.device, args.attention_backend,
-                          enforce_eager=args.enforce_eager)
+    config = EngineConfig(
+        model, cache, scheduler, args.device, args.attention_backend, enforce_eager=args.enforce_eager
+    )
     logger.info("%s", describe_sampling_defaults(model.generation_config, model.sampling_defaults))
     return config, source
 
@@ -81,27 +81,45 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument("--block-size", type=int, default=d.block_size)
-    parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-                        help="what the KV cache stores; auto: bf16 on a CPU running bf16 or int8 weights, "
-                             "else the model's dtype; int8 (CPU with AVX-512 BF16): per-token scales, half of bf16")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="what the KV cache stores; auto: bf16 on a CPU running bf16 or int8 weights, "
+        "else the model's dtype; int8 (CPU with AVX-512 BF16): per-token scales, half of bf16",
+    )
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
-                        help="CUDA: share of the GPU's memory for weights, activations and KV cache")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="CUDA: share of the GPU's memory for weights, activations and KV cache",
+    )
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--load-format", default=d.load_format, help="auto | safetensors | gguf | dummy")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--device", default=d.device)
     parser.add_argument("--attention-backend", default=d.attention_backend)
     parser.add_argument("--scheduling-policy", default=d.scheduling_policy, help="fcfs | priority")
-    parser.add_argument("--quantization", default=d.quantization,
-                        help="int8: per-channel int8 weights quantized at load (default: none)")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="run every layer from Python: no CUDA graphs, no fused CPU decode stack")
-    parser.add_argument("--generation-config", default=d.generation_config, metavar="auto|vllm|FOLDER",
-                        help="sampling defaults for requests that leave them out: auto: the model's "
-                             "generation_config.json; vllm: ignore it (OpenAI's defaults); FOLDER: the "
-                             "generation_config.json in FOLDER")
+    parser.add_argument(
+        "--quantization",
+        default=d.quantization,
+        help="int8: per-channel int8 weights quantized at load (default: none)",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every layer from Python: no CUDA graphs, no fused CPU decode stack",
+    )
+    parser.add_argument(
+        "--generation-config",
+        default=d.generation_config,
+        metavar="auto|vllm|FOLDER",
+        help="sampling defaults for requests that leave them out: auto: the model's "
+        "generation_config.json; vllm: ignore it (OpenAI's defaults); FOLDER: the "
+        "generation_config.json in FOLDER",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -70,7 +70,9 @@ def profile_peak_memory(runner: ModelRunner) -> tuple[int, int]:
     outside_torch = (total - free) - torch.cuda.memory_reserved(device)
     logger.info(
         "profiled the largest step: peak %.2f GiB in PyTorch + %.2f GiB outside it, of %.2f GiB",
-        peak / 2**30, max(0, outside_torch) / 2**30, total / 2**30,
+        peak / 2**30,
+        max(0, outside_torch) / 2**30,
+        total / 2**30,
     )
     return total, peak + max(0, outside_torch)
 
@@ -99,8 +101,12 @@ class EngineCore:
         self.decode_stats = DecodeStepStats()
         logger.info(
             "engine ready: %d KV blocks of %d tokens (%s), dtype %s (weights %s), attention %s, fused decode %s",
-            self.num_blocks, config.cache.block_size, config.cache.kv_cache_dtype, config.model.dtype,
-            config.model.weight_dtype or config.model.dtype, self.runner.backend.name,
+            self.num_blocks,
+            config.cache.block_size,
+            config.cache.kv_cache_dtype,
+            config.model.dtype,
+            config.model.weight_dtype or config.model.dtype,
+            self.runner.backend.name,
             "on" if self.runner.fused_decode_off_reason is None else f"off ({self.runner.fused_decode_off_reason})",
         )
         freeze_startup_heap()

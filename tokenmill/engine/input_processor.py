@@ -28,7 +28,10 @@ class PreparedRequest:
 
 class InputProcessor:
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, eos_token_ids: list[int],
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        vocab_size: int,
+        eos_token_ids: list[int],
         limits: AdmissionLimits,
     ) -> None:
         self.tokenizer = tokenizer
@@ -65,14 +68,19 @@ class InputProcessor:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with a plain prompt.")
         # tokenize=False renders one conversation as one string (the return type covers batches and ids too).
-        text = cast(str, self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        ))
+        text = cast(
+            str,
+            self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt),
+        )
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
         return ids
 
     def process(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        priority: int = 0,
         prompt_token_ids: list[int] | None = None,
     ) -> PreparedRequest:
         """Validate everything before anything is queued: a bad request raises ValueError and
@@ -102,6 +110,7 @@ class InputProcessor:
             seed = None if params.seed is None else params.seed + i
             child_params = dataclasses.replace(params, n=1, seed=seed)
             leader = children[0] if children else None
-            children.append(Request(f"{request_id}#{i}", ids, child_params, self.eos_token_ids, priority,
-                                    prefill_leader=leader))
+            children.append(
+                Request(f"{request_id}#{i}", ids, child_params, self.eos_token_ids, priority, prefill_leader=leader)
+            )
         return children

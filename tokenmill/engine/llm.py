@@ -68,8 +68,7 @@ class LLM:
         """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}); outputs come
         back in prompt order. Every prompt is validated before any is queued."""
         prompt_list = _as_prompt_list(prompts)
-        params = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompt_list),
-                            "sampling_params")
+        params = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompt_list), "sampling_params")
         priorities = _broadcast(list(priority) if priority is not None else 0, len(prompt_list), "priority")
         prepared = [
             self.inputs.process(str(next(self._ids)), p, sp, prio)

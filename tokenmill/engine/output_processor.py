@@ -65,7 +65,11 @@ class OutputProcessor:
         self.child_to_parent: dict[str, tuple[str, int]] = {}
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
         child_ids: list[str],
     ) -> None:
         sequences = [_Sequence(i, self._detokenizer(prompt_token_ids, params)) for i in range(len(child_ids))]
@@ -82,7 +86,10 @@ class OutputProcessor:
         if self.tokenizer is None:
             return None
         return IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
+            self.tokenizer,
+            prompt_token_ids,
+            params.skip_special_tokens,
+            params.stop,
             params.include_stop_str_in_output,
         )
 

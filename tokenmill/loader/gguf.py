@@ -97,9 +97,7 @@ def _load_checkpoint(reader: GGUFReader, dtype: torch.dtype) -> GGUFCheckpoint:
     return GGUFCheckpoint(state_dict, config)
 
 
-def gguf_to_hf_folder(
-    gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16
-) -> Path:
+def gguf_to_hf_folder(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Convert a Llama GGUF file into a Hugging Face folder at ``out_dir`` and return its path.
 
     Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json (with the GGUF chat
@@ -243,9 +241,7 @@ def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
 def _write_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path, max_length: int) -> None:
     pre = _field(reader, "tokenizer.ggml.pre", "default")
     chat_template = _field(reader, "tokenizer.chat_template", "")
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
     if not tokenizer.is_fast:
         raise ValueError(f"transformers built a slow tokenizer for {gguf_path}; a fast one is required")
     if pre in _DIGIT_SPLIT_PRE_TOKENIZERS:

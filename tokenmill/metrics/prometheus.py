@@ -16,10 +16,50 @@ from tokenmill.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                    240.0, 480.0, 960.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+_REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -41,30 +81,37 @@ class ServerMetrics:
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.").labels(m)
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.").labels(m)
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use.").labels(m)
-        self.prompt_throughput = gauge("avg_prompt_throughput_toks_per_s",
-                                       "Prompt tokens per second over the last interval.").labels(m)
-        self.generation_throughput = gauge("avg_generation_throughput_toks_per_s",
-                                           "Generated tokens per second over the last interval.").labels(m)
+        self.prompt_throughput = gauge(
+            "avg_prompt_throughput_toks_per_s", "Prompt tokens per second over the last interval."
+        ).labels(m)
+        self.generation_throughput = gauge(
+            "avg_generation_throughput_toks_per_s", "Generated tokens per second over the last interval."
+        ).labels(m)
         self.num_preemptions = counter("num_preemptions", "Requests preempted (to be recomputed).").labels(m)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.").labels(m)
         self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(m)
-        self._request_success = counter("request_success", "Requests finished, by finish reason.",
-                                        ("finished_reason",))
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
-                                            ).labels(m)
+        self._request_success = counter("request_success", "Requests finished, by finish reason.", ("finished_reason",))
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        ).labels(m)
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.").labels(m)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS).labels(m)
-        self.itl = histogram("inter_token_latency_seconds", "Gap between a request's consecutive tokens.",
-                             _LATENCY_BUCKETS).labels(m)
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Gap between a request's consecutive tokens.", _LATENCY_BUCKETS
+        ).labels(m)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS).labels(m)
-        self.queue_time = histogram("request_queue_time_seconds", "Time in the waiting queue.",
-                                    _REQUEST_BUCKETS).labels(m)
-        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.",
-                                      _REQUEST_BUCKETS).labels(m)
-        self.decode_time = histogram("request_decode_time_seconds", "First token to finish.",
-                                     _REQUEST_BUCKETS).labels(m)
-        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens scheduled per engine step.",
-                                          _TOKEN_BUCKETS).labels(m)
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Time in the waiting queue.", _REQUEST_BUCKETS
+        ).labels(m)
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token.", _REQUEST_BUCKETS
+        ).labels(m)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to finish.", _REQUEST_BUCKETS).labels(
+            m
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens scheduled per engine step.", _TOKEN_BUCKETS
+        ).labels(m)
         self.model_name = model_name
         self._last = _Totals(time.monotonic(), 0, 0, 0)
         self._prev_snapshot: EngineSnapshot | None = None
@@ -125,8 +172,12 @@ class ServerMetrics:
             snap = self._prev_snapshot
             logger.info(
                 "prompt throughput %.1f tok/s, generation throughput %.1f tok/s, running %d, waiting %d, "
-                "KV cache %.1f%%", prompt_tps, gen_tps, snap.num_running if snap else 0,
-                snap.num_waiting if snap else 0, 100 * (snap.kv_cache_usage if snap else 0.0),
+                "KV cache %.1f%%",
+                prompt_tps,
+                gen_tps,
+                snap.num_running if snap else 0,
+                snap.num_waiting if snap else 0,
+                100 * (snap.kv_cache_usage if snap else 0.0),
             )
         self._last = _Totals(now, totals.prompt_tokens, totals.generation_tokens, totals.steps)
 

@@ -2,7 +2,7 @@
 
 A decode step of a small model at batch 1 issues ~15 PyTorch calls per layer; from Python they cost
 about as much as the weight streaming they wrap. The C++ stack runs the same kernels on the same
-weights and KV cache, so the numbers match the layer-by-layer path (tests/unit/test_fused_decode.py);
+weights and KV cache, so the numbers match the layer-by-layer path (tests/e2e/test_fused_decode.py);
 it starts from the token ids (the embedding lookup and the rotary tables' rows are in the call too).
 It covers the common case: float32 or packed (bf16, int8) weights on CPU, float32 activations, a
 float32, bf16 or int8 cache, the C++ paged-decode attention, no q/k norm (Qwen3 keeps the Python path).
@@ -65,14 +65,26 @@ class FusedDecode:
         attn0 = model.layers[0].self_attn
         kernels = build.load("decode_stack")
         stack = kernels.DecodeStack(
-            attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, model.norm.eps, attn0.scale, model.norm.weight,
-            model.embed_tokens.weight, model.rotary.cos, model.rotary.sin,
+            attn0.num_heads,
+            attn0.num_kv_heads,
+            attn0.head_dim,
+            model.norm.eps,
+            attn0.scale,
+            model.norm.weight,
+            model.embed_tokens.weight,
+            model.rotary.cos,
+            model.rotary.sin,
         )
         for layer, cache in zip(model.layers, caches):
             attn, mlp = layer.self_attn, layer.mlp
             stack.add_layer(
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, _packed(attn.qkv_proj),
-                _packed(attn.o_proj), _packed(mlp.gate_up_proj), _packed(mlp.down_proj), cache,
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                _packed(attn.qkv_proj),
+                _packed(attn.o_proj),
+                _packed(mlp.gate_up_proj),
+                _packed(mlp.down_proj),
+                cache,
             )
         self._caches = caches
         return stack

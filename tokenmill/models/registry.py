@@ -20,12 +20,15 @@ def model_class(hf_config: Any) -> type[nn.Module]:
     for arch in getattr(hf_config, "architectures", None) or []:
         if arch in _MODELS:
             return _MODELS[arch]
-    by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
+    by_type = {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+    }
     arch = by_type.get(getattr(hf_config, "model_type", ""), "")
     if arch:
         return _MODELS[arch]
     raise ValueError(
-        f"unsupported architecture {getattr(hf_config, 'architectures', None)}; "
-        f"tokenmill supports {sorted(_MODELS)}."
+        f"unsupported architecture {getattr(hf_config, 'architectures', None)}; tokenmill supports {sorted(_MODELS)}."
     )

@@ -77,5 +77,13 @@ def _keep_layout_attributes(source: nn.Module, target: nn.Module) -> None:
 
 register_quant_method("int8", Int8Linear.from_weight)
 
-__all__ = ["Bf16Linear", "Int8Linear", "check_quantization", "pack_bf16_weights", "quant_methods", "quantize_model",
-           "register_quant_method", "swap_linears"]
+__all__ = [
+    "Bf16Linear",
+    "Int8Linear",
+    "check_quantization",
+    "pack_bf16_weights",
+    "quant_methods",
+    "quantize_model",
+    "register_quant_method",
+    "swap_linears",
+]

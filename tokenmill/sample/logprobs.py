@@ -36,9 +36,7 @@ def to_token_logprobs(
     is also in the top k appears once, with its own rank). `num_logprobs[i]` keeps only the first
     top entries of row i, for batches where requests asked for different k; default: all k."""
     num_tokens, width = token_ids.shape
-    if num_logprobs is not None and (
-        len(num_logprobs) != num_tokens or any(not 0 <= k < width for k in num_logprobs)
-    ):
+    if num_logprobs is not None and (len(num_logprobs) != num_tokens or any(not 0 <= k < width for k in num_logprobs)):
         raise ValueError(
             f"num_logprobs needs one value in [0, {width - 1}] per row ({num_tokens}), got {num_logprobs}."
         )

@@ -73,9 +73,7 @@ class SamplingMetadata:
             )
         greedy = [p.greedy for p in params]
         # Filters only matter on rows that sample; greedy rows get the neutral value.
-        top_k = [
-            p.top_k if not g and 0 < p.top_k < vocab_size else vocab_size for p, g in zip(params, greedy)
-        ]
+        top_k = [p.top_k if not g and 0 < p.top_k < vocab_size else vocab_size for p, g in zip(params, greedy)]
         top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
         min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
         no_penalties = not any(p.uses_penalties for p in params)
@@ -99,9 +97,7 @@ class SamplingMetadata:
             top_k=ints(top_k),
             top_p=floats(top_p),
             min_p=floats(min_p),
-            generators={
-                i: gen for i, (gen, g) in enumerate(zip(generators, greedy)) if gen is not None and not g
-            },
+            generators={i: gen for i, (gen, g) in enumerate(zip(generators, greedy)) if gen is not None and not g},
             prompt_token_ids=_pad(prompt_token_ids if uses_repetition else [], num_reqs, vocab_size, device),
             output_token_ids=_pad(output_token_ids if not no_penalties else [], num_reqs, vocab_size, device),
             repetition_penalty=floats([p.repetition_penalty for p in params]),

@@ -103,9 +103,7 @@ def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         return sampled
     logits /= meta.temperature.unsqueeze(1)
     if not (meta.no_top_k and meta.no_top_p):
-        _apply_top_k_top_p(
-            logits, None if meta.no_top_k else meta.top_k, None if meta.no_top_p else meta.top_p
-        )
+        _apply_top_k_top_p(logits, None if meta.no_top_k else meta.top_k, None if meta.no_top_p else meta.top_p)
     probs = logits.softmax(dim=-1)  # [num_reqs, vocab_size]
     if not meta.no_min_p:
         threshold = meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [num_reqs, 1]

@@ -39,10 +39,15 @@ from tokenmill.server.security import ANONYMOUS
 logger = logging.getLogger(__name__)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse, "description": desc} for code, desc in (
-        (400, "Invalid request"), (401, "Missing or wrong API key"), (404, "Unknown model"),
-        (413, "Body too large"), (429, "Rate limit or full queue (see Retry-After)"),
-        (500, "Engine failure"), (503, "Shutting down or engine dead"),
+    code: {"model": ErrorResponse, "description": desc}
+    for code, desc in (
+        (400, "Invalid request"),
+        (401, "Missing or wrong API key"),
+        (404, "Unknown model"),
+        (413, "Body too large"),
+        (429, "Rate limit or full queue (see Retry-After)"),
+        (500, "Engine failure"),
+        (503, "Shutting down or engine dead"),
     )
 }
 _SSE = {"content": {"text/event-stream": {}}, "description": "JSON, or with stream=true server-sent events"}
@@ -62,8 +67,12 @@ def build_app(state: ServerState) -> FastAPI:
             state.engine.abort_all()
             await asyncio.to_thread(state.engine.shutdown)
 
-    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan,
-                  description="An OpenAI-compatible server for the tokenmill engine.")
+    app = FastAPI(
+        title="tokenmill",
+        version=tokenmill.__version__,
+        lifespan=lifespan,
+        description="An OpenAI-compatible server for the tokenmill engine.",
+    )
     app.state.server = state
     install_error_handlers(app)
 
@@ -84,8 +93,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def health() -> Response:
         """Liveness: 503 once the engine loop has died or a step has stalled."""
         if state.engine.is_dead:
-            return JSONResponse(error_body(503, f"the engine is dead: {state.engine.dead_reason}", "engine_dead"),
-                                status_code=503)
+            return JSONResponse(
+                error_body(503, f"the engine is dead: {state.engine.dead_reason}", "engine_dead"), status_code=503
+            )
         if state.engine.is_stalled():
             return JSONResponse(error_body(503, "the engine step has stalled.", "engine_stalled"), status_code=503)
         return JSONResponse({"status": "ok"})
@@ -124,8 +134,7 @@ async def _log_throughput(state: ServerState) -> None:
         state.metrics.log_throughput()
 
 
-async def _send_error(send: Send, status: int, message: str, code: str, headers: dict[str, str] | None = None
-                      ) -> None:
+async def _send_error(send: Send, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
     body = json.dumps(error_body(status, message, code)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -163,8 +172,12 @@ class BodyLimitMiddleware:
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         too_large = f"the request body is larger than this server's limit of {self.max_bytes} bytes."
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            return await _send_error(send, 413 if length.isdigit() else 400,
-                                     too_large if length.isdigit() else "bad Content-Length.", "request_too_large")
+            return await _send_error(
+                send,
+                413 if length.isdigit() else 400,
+                too_large if length.isdigit() else "bad Content-Length.",
+                "request_too_large",
+            )
         chunks, size = [], 0
         while True:
             message = await receive()

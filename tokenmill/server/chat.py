@@ -26,8 +26,7 @@ from tokenmill.server.protocol import (
 )
 
 
-async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request, key: str
-                                 ) -> Any:
+async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request, key: str) -> Any:
     arrival = serving.monotonic()
     state.check_model(body.model)
     state.check_accepting()
@@ -54,49 +53,69 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         return serving.JobStreamingResponse(state, job, _stream(state, body, job, request_id, include_usage))
     await serving.finish(state, job, request)
     choices = [
-        ChatChoice(index=out.index, message=AssistantMessage(content=out.text),
-                   logprobs=_logprobs(state, out.token_ids, out.logprobs or [], top) if top is not None else None,
-                   finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+        ChatChoice(
+            index=out.index,
+            message=AssistantMessage(content=out.text),
+            logprobs=_logprobs(state, out.token_ids, out.logprobs or [], top) if top is not None else None,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )
         for out in job.outputs[0].outputs
     ]
     response = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=job.usage())
     return JSONResponse(response.model_dump(), headers=job.admission.headers)
 
 
-def _logprobs(state: ServerState, token_ids: list[int], entries: list[TokenLogprobs], top: int | None
-              ) -> ChatLogprobs:
+def _logprobs(state: ServerState, token_ids: list[int], entries: list[TokenLogprobs], top: int | None) -> ChatLogprobs:
     tok = state.engine.tokenizer
     content = []
     for token_id, entry in zip(token_ids, entries):
         text = serving.decoded(tok, token_id, entry)
         sampled = entry.get(token_id)
         ranked = sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
-        content.append(TokenLogprobEntry(
-            token=text, logprob=serving.finite(sampled.logprob) if sampled else -9999.0, bytes=list(text.encode()),
-            top_logprobs=[
-                TopLogprob(token=(t_text := serving.decoded(tok, t, entry)), logprob=serving.finite(lp.logprob),
-                           bytes=list(t_text.encode()))
-                for t, lp in ranked[: top or 0]
-            ],
-        ))
+        content.append(
+            TokenLogprobEntry(
+                token=text,
+                logprob=serving.finite(sampled.logprob) if sampled else -9999.0,
+                bytes=list(text.encode()),
+                top_logprobs=[
+                    TopLogprob(
+                        token=(t_text := serving.decoded(tok, t, entry)),
+                        logprob=serving.finite(lp.logprob),
+                        bytes=list(t_text.encode()),
+                    )
+                    for t, lp in ranked[: top or 0]
+                ],
+            )
+        )
     return ChatLogprobs(content=content)
 
 
-async def _stream(state: ServerState, body: ChatCompletionRequest, job: serving.Job, request_id: str,
-                  include_usage: bool) -> AsyncIterator[str]:
+async def _stream(
+    state: ServerState, body: ChatCompletionRequest, job: serving.Job, request_id: str, include_usage: bool
+) -> AsyncIterator[str]:
     created = now()
     top = (body.top_logprobs or 0) if body.logprobs else None
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-        data: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                                "model": state.model_name, "choices": choices}
+        data: dict[str, Any] = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": state.model_name,
+            "choices": choices,
+        }
         if usage is not None:
             data["usage"] = usage
         return serving.sse(data)
 
     # The role comes first, once per choice, as OpenAI sends it.
-    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None} for i in range(body.n)])
+    yield chunk(
+        [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(body.n)
+        ]
+    )
     sent_tokens = [0] * body.n
     async for _, output in serving.run_job(state, job):
         for out in output.outputs:
@@ -107,7 +126,15 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, job: serving.
             if top is not None:
                 logprobs = _logprobs(state, out.token_ids[start:], (out.logprobs or [])[start:], top).model_dump()
             sent_tokens[out.index] = len(out.token_ids)
-            yield chunk([{"index": out.index, "delta": {"content": out.delta_text}, "logprobs": logprobs,
-                          "finish_reason": out.finish_reason}])
+            yield chunk(
+                [
+                    {
+                        "index": out.index,
+                        "delta": {"content": out.delta_text},
+                        "logprobs": logprobs,
+                        "finish_reason": out.finish_reason,
+                    }
+                ]
+            )
     if include_usage:
         yield chunk([], job.usage().model_dump())

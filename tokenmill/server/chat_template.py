@@ -13,8 +13,9 @@ import secrets
 from typing import Any
 
 
-def chat_prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
-                          ) -> list[int]:
+def chat_prompt_token_ids(
+    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
+) -> list[int]:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use /v1/completions with a plain prompt.")
     nonce = secrets.token_hex(8)
@@ -50,7 +51,8 @@ def _fallback(tokenizer: Any, messages: list[dict[str, str]], add_generation_pro
     for message in messages:
         for special in specials:
             if special in message["content"]:
-                raise ValueError(f"message content may not contain the control token {special!r} with this "
-                                 "model's chat template.")
+                raise ValueError(
+                    f"message content may not contain the control token {special!r} with this model's chat template."
+                )
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -13,36 +13,66 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
     d = ServerConfig()
     parser = subparsers.add_parser(
-        "serve", help="OpenAI-compatible HTTP server (default: the embedded model on 127.0.0.1:8000)",
+        "serve",
+        help="OpenAI-compatible HTTP server (default: the embedded model on 127.0.0.1:8000)",
         description="Serve a model over the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, "
-                    "/health, /ready, /metrics, /version.",
+        "/health, /ready, /metrics, /version.",
     )
-    parser.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                        help="HF folder, .gguf file or preset (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "model_path",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="HF folder, .gguf file or preset (default: the embedded SmolLM2-135M-Instruct)",
+    )
     add_engine_args(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default=d.host, help="address to bind (default 127.0.0.1: this machine only)")
     server.add_argument("--port", type=int, default=d.port)
     server.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
-    server.add_argument("--api-key", action="append", default=[], dest="api_keys",
-                        help=f"require this key (repeat for several; also ${API_KEY_ENV}, comma-separated)")
+    server.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        dest="api_keys",
+        help=f"require this key (repeat for several; also ${API_KEY_ENV}, comma-separated)",
+    )
     server.add_argument("--requests-per-min", type=int, default=None, help="per-key request limit")
-    server.add_argument("--tokens-per-min", type=int, default=None,
-                        help="per-key token limit (prompt + max_tokens, unused output refunded)")
-    server.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
-                        help="beyond this many waiting requests, answer 429 at once")
+    server.add_argument(
+        "--tokens-per-min",
+        type=int,
+        default=None,
+        help="per-key token limit (prompt + max_tokens, unused output refunded)",
+    )
+    server.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=d.max_waiting_requests,
+        help="beyond this many waiting requests, answer 429 at once",
+    )
     server.add_argument("--max-waiting-tokens", type=int, default=d.max_waiting_tokens)
     server.add_argument("--max-n", type=int, default=d.max_n)
     server.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted")
     server.add_argument("--max-prompt-tokens", type=int, default=None)
     server.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
-    server.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
-                        help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
-    server.add_argument("--engine-stall-timeout", type=float, default=d.engine_stall_timeout_s,
-                        help="requests in flight and no step finished for this long makes /health fail")
-    server.add_argument("--engine-in-thread", action="store_true",
-                        help="run the engine core on a thread of the server process instead of its own process "
-                             "(debugging; it then shares the GIL with HTTP and detokenization, so it is slower)")
+    server.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=d.shutdown_timeout_s,
+        help="on SIGTERM, seconds in-flight requests get to finish before they are aborted",
+    )
+    server.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=d.engine_stall_timeout_s,
+        help="requests in flight and no step finished for this long makes /health fail",
+    )
+    server.add_argument(
+        "--engine-in-thread",
+        action="store_true",
+        help="run the engine core on a thread of the server process instead of its own process "
+        "(debugging; it then shares the GIL with HTTP and detokenization, so it is slower)",
+    )
     server.add_argument("--metrics-require-key", action="store_true", help="protect /metrics with the API key")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=cmd_serve)
@@ -51,19 +81,28 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
-        host=args.host, port=args.port, served_model_name=args.served_model_name, api_keys=tuple(args.api_keys),
-        requests_per_min=args.requests_per_min, tokens_per_min=args.tokens_per_min,
-        max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
-        max_n=args.max_n, max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
-        max_body_bytes=args.max_body_bytes, shutdown_timeout_s=args.shutdown_timeout,
-        engine_stall_timeout_s=args.engine_stall_timeout, metrics_require_key=args.metrics_require_key,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_keys=tuple(args.api_keys),
+        requests_per_min=args.requests_per_min,
+        tokens_per_min=args.tokens_per_min,
+        max_waiting_requests=args.max_waiting_requests,
+        max_waiting_tokens=args.max_waiting_tokens,
+        max_n=args.max_n,
+        max_tokens=args.max_tokens_limit,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_timeout_s=args.shutdown_timeout,
+        engine_stall_timeout_s=args.engine_stall_timeout,
+        metrics_require_key=args.metrics_require_key,
         engine_in_thread=args.engine_in_thread,
     )
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from tokenmill.engine.engine_args import engine_kwargs
     from tokenmill.config import EngineArgs
+    from tokenmill.engine.engine_args import engine_kwargs
     from tokenmill.server.launcher import serve
 
     logging.getLogger("tokenmill").setLevel(args.log_level.upper())  # uvicorn configures its own loggers

@@ -64,8 +64,17 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     choices = []
     for i, prepared_req in enumerate(prepared):
         for out in job.outputs[i].outputs:
-            choices.append(_choice(state, body, i * body.n + out.index, prepared_req.prompt_token_ids,
-                                   job.outputs[i].prompt_logprobs, out, prepared_req.prompt))
+            choices.append(
+                _choice(
+                    state,
+                    body,
+                    i * body.n + out.index,
+                    prepared_req.prompt_token_ids,
+                    job.outputs[i].prompt_logprobs,
+                    out,
+                    prepared_req.prompt,
+                )
+            )
     response = CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=job.usage())
     return JSONResponse(response.model_dump(), headers=job.admission.headers)
 
@@ -77,21 +86,29 @@ def _echo_text(state: ServerState, prompt_text: str | None, prompt_ids: list[int
     return tokenizer.decode(prompt_ids) if tokenizer is not None else ""
 
 
-def _choice(state: ServerState, body: CompletionRequest, index: int, prompt_ids: list[int],
-            prompt_lps: list[TokenLogprobs | None] | None, out: CompletionOutput, prompt_text: str | None
-            ) -> CompletionChoice:
+def _choice(
+    state: ServerState,
+    body: CompletionRequest,
+    index: int,
+    prompt_ids: list[int],
+    prompt_lps: list[TokenLogprobs | None] | None,
+    out: CompletionOutput,
+    prompt_text: str | None,
+) -> CompletionChoice:
     text = (_echo_text(state, prompt_text, prompt_ids) if body.echo else "") + out.text
     logprobs = None
     if body.logprobs is not None:
         ids = (prompt_ids if body.echo else []) + out.token_ids
-        entries: list[TokenLogprobs | None] = ((prompt_lps or [None] * len(prompt_ids)) if body.echo else [])
+        entries: list[TokenLogprobs | None] = (prompt_lps or [None] * len(prompt_ids)) if body.echo else []
         logprobs = _logprobs(state, ids, entries + list(out.logprobs or []), 0)
-    return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
-                            stop_reason=out.stop_reason)
+    return CompletionChoice(
+        index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason, stop_reason=out.stop_reason
+    )
 
 
-def _logprobs(state: ServerState, token_ids: list[int], entries: list[TokenLogprobs | None], offset: int
-              ) -> CompletionLogprobs:
+def _logprobs(
+    state: ServerState, token_ids: list[int], entries: list[TokenLogprobs | None], offset: int
+) -> CompletionLogprobs:
     tok = state.engine.tokenizer
     result = CompletionLogprobs()
     for token_id, entry in zip(token_ids, entries):
@@ -107,8 +124,9 @@ def _logprobs(state: ServerState, token_ids: list[int], entries: list[TokenLogpr
     return result
 
 
-async def _stream(state: ServerState, body: CompletionRequest, job: serving.Job, request_id: str,
-                  include_usage: bool) -> AsyncIterator[str]:
+async def _stream(
+    state: ServerState, body: CompletionRequest, job: serving.Job, request_id: str, include_usage: bool
+) -> AsyncIterator[str]:
     created, n = now(), body.n
     sent_tokens: dict[int, int] = {}  # choice index -> tokens already sent
     offsets: dict[int, int] = {}
@@ -133,10 +151,26 @@ async def _stream(state: ServerState, body: CompletionRequest, job: serving.Job,
                 logprobs = _logprobs(state, ids, entries, offsets.get(index, 0))
                 offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
             sent_tokens[index] = len(out.token_ids)
-            choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
-                                      stop_reason=out.stop_reason)
-            yield serving.sse({"id": request_id, "object": "text_completion", "created": created,
-                               "model": state.model_name, "choices": [choice.model_dump()]})
+            choice = CompletionChoice(
+                index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason, stop_reason=out.stop_reason
+            )
+            yield serving.sse(
+                {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": state.model_name,
+                    "choices": [choice.model_dump()],
+                }
+            )
     if include_usage:
-        yield serving.sse({"id": request_id, "object": "text_completion", "created": created,
-                           "model": state.model_name, "choices": [], "usage": job.usage().model_dump()})
+        yield serving.sse(
+            {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": state.model_name,
+                "choices": [],
+                "usage": job.usage().model_dump(),
+            }
+        )

@@ -53,8 +53,14 @@ class ServerState:
         name = config.served_model_name or default_model_name(engine)
         metrics = ServerMetrics(name)
         engine.stats = metrics
-        return cls(config, engine, name, metrics, ApiKeys(config.keys()),
-                   RateLimiter(config.requests_per_min, config.tokens_per_min))
+        return cls(
+            config,
+            engine,
+            name,
+            metrics,
+            ApiKeys(config.keys()),
+            RateLimiter(config.requests_per_min, config.tokens_per_min),
+        )
 
     @property
     def max_tokens(self) -> int:
@@ -77,8 +83,12 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}.",
-                           "model_not_found", "model")
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}.",
+                "model_not_found",
+                "model",
+            )
 
     def check_accepting(self) -> None:
         if self.draining:

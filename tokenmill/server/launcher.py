@@ -57,8 +57,12 @@ class GracefulServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         engine, timeout = self.state.engine, self.state.config.shutdown_timeout_s
-        logger.warning("shutting down: %d requests in flight get up to %.0f s to finish; new requests get 503 "
-                       "(signal again to stop now)", engine.num_in_flight, timeout)
+        logger.warning(
+            "shutting down: %d requests in flight get up to %.0f s to finish; new requests get 503 "
+            "(signal again to stop now)",
+            engine.num_in_flight,
+            timeout,
+        )
         if not await engine.wait_idle(timeout):
             logger.warning("aborting %d requests still in flight", engine.num_in_flight)
             engine.abort_all()
@@ -74,8 +78,14 @@ class GracefulServer(uvicorn.Server):
 
 def make_server(state: ServerState, log_level: str = "info") -> GracefulServer:
     app = build_app(state)
-    config = uvicorn.Config(app, host=state.config.host, port=state.config.port, log_level=log_level,
-                            timeout_graceful_shutdown=_FLUSH_TIMEOUT_S, access_log=log_level == "debug")
+    config = uvicorn.Config(
+        app,
+        host=state.config.host,
+        port=state.config.port,
+        log_level=log_level,
+        timeout_graceful_shutdown=_FLUSH_TIMEOUT_S,
+        access_log=log_level == "debug",
+    )
     return GracefulServer(config, state)
 
 
@@ -83,9 +93,10 @@ def print_usage(server: GracefulServer) -> None:
     state, host = server.state, server.config.host
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{server.bound_port()}"
     key = "$TOKENMILL_API_KEY" if state.keys.enabled else "unused"
-    auth = " -H \"Authorization: Bearer $TOKENMILL_API_KEY\"" if state.keys.enabled else ""
+    auth = ' -H "Authorization: Bearer $TOKENMILL_API_KEY"' if state.keys.enabled else ""
     sampling = describe_sampling_defaults(state.engine.config.model.generation_config, state.sampling_defaults)
-    print(f"""
+    print(
+        f"""
 tokenmill is serving {state.model_name!r} at {url}/v1 (OpenAI-compatible; Ctrl-C to stop)
 {sampling}
 
@@ -97,7 +108,9 @@ print(c.chat.completions.create(model="{state.model_name}", \\
 messages=[{{"role": "user", "content": "Hello!"}}]).choices[0].message.content)'
 
   health {url}/health · metrics {url}/metrics · API docs {url}/docs
-""", flush=True)
+""",
+        flush=True,
+    )
 
 
 def serve(engine_args: EngineArgs, config: ServerConfig, log_level: str = "info") -> None:
@@ -105,8 +118,11 @@ def serve(engine_args: EngineArgs, config: ServerConfig, log_level: str = "info"
     engine = AsyncEngine(engine_args, config.engine_stall_timeout_s, engine_process=not config.engine_in_thread)
     state = ServerState.create(config, engine)
     if config.host not in ("127.0.0.1", "localhost", "::1") and not state.keys.enabled:
-        logger.warning("listening on %s without an API key: anyone who can reach it can use it "
-                       "(set --api-key or TOKENMILL_API_KEY)", config.host)
+        logger.warning(
+            "listening on %s without an API key: anyone who can reach it can use it "
+            "(set --api-key or TOKENMILL_API_KEY)",
+            config.host,
+        )
     server = make_server(state, log_level)
     server.on_started.append(print_usage)
     server.run()

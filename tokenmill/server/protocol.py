@@ -22,7 +22,6 @@ from tokenmill.sampling_params import MAX_N
 MAX_LOGPROBS = 20
 
 
-
 def _integral(value: object) -> object:
     """JSON Schema counts 1.0 as an integer (and JavaScript clients send it): take it as 1."""
     if isinstance(value, float) and value.is_integer():
@@ -63,18 +62,20 @@ class _SamplingFields(_Strict):
 
     model: str | None = Field(default=None, description="The served model's id (see /v1/models).")
     n: NumSamples = Field(default=1, description="Completions per prompt.")
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0,
-                                      description="Default: the model's generation_config.json, else 1.")
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0,
-                                description="Default: the model's generation_config.json, else 1.")
+    temperature: float | None = Field(
+        default=None, ge=0.0, le=100.0, description="Default: the model's generation_config.json, else 1."
+    )
+    top_p: float | None = Field(
+        default=None, gt=0.0, le=1.0, description="Default: the model's generation_config.json, else 1."
+    )
     top_k: TopK | None = Field(default=None, description="0 or -1: no top-k.")
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: Int64 | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
-    logit_bias: dict[TokenIdKey, Bias] | None = (
-        Field(default=None, description="Token id (as a string) to a bias in [-100, 100].")
+    logit_bias: dict[TokenIdKey, Bias] | None = Field(
+        default=None, description="Token id (as a string) to a bias in [-100, 100]."
     )
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None

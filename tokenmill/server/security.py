@@ -31,8 +31,12 @@ class ApiKeys:
             return ANONYMOUS
         scheme, _, given = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not given.strip():
-            raise APIError(401, "missing API key: send the header 'Authorization: Bearer YOUR_KEY'.",
-                           "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise APIError(
+                401,
+                "missing API key: send the header 'Authorization: Bearer YOUR_KEY'.",
+                "invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         candidate = given.strip().encode()
         match = -1
         for i, key in enumerate(self._keys):  # no early exit: the time does not depend on which key matched
@@ -90,21 +94,33 @@ class RateLimiter:
     def acquire(self, key: str, num_tokens: int) -> Admission:
         """Charge one request and `num_tokens` to `key`, or raise a 429 APIError with Retry-After."""
         now = time.monotonic()
-        limits = [(kind, cap, amount) for kind, cap, amount in
-                  (("requests", self.requests_per_min, 1), ("tokens", self.tokens_per_min, num_tokens))
-                  if cap is not None]
+        limits = [
+            (kind, cap, amount)
+            for kind, cap, amount in (
+                ("requests", self.requests_per_min, 1),
+                ("tokens", self.tokens_per_min, num_tokens),
+            )
+            if cap is not None
+        ]
         buckets = [(kind, self._bucket(key, kind, cap, now), amount) for kind, cap, amount in limits]
         for kind, bucket, amount in buckets:
             if amount > bucket.capacity:
-                raise APIError(400, f"this request needs {amount} {kind} but the limit is "
-                               f"{int(bucket.capacity)} {kind} per minute; lower max_tokens or n.",
-                               "request_exceeds_rate_limit")
+                raise APIError(
+                    400,
+                    f"this request needs {amount} {kind} but the limit is "
+                    f"{int(bucket.capacity)} {kind} per minute; lower max_tokens or n.",
+                    "request_exceeds_rate_limit",
+                )
         wait = max((b.wait_for(a) for _, b, a in buckets), default=0.0)
         if wait > 0:
             headers = self._headers(buckets)
             headers["Retry-After"] = str(max(1, math.ceil(wait)))
-            raise APIError(429, f"rate limit reached for this API key; retry in {wait:.1f} s.",
-                           "rate_limit_exceeded", headers=headers)
+            raise APIError(
+                429,
+                f"rate limit reached for this API key; retry in {wait:.1f} s.",
+                "rate_limit_exceeded",
+                headers=headers,
+            )
         for _, bucket, amount in buckets:
             bucket.level -= amount
         return Admission(key, num_tokens, self._headers(buckets))

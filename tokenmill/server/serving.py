@@ -27,12 +27,22 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
-                    model_defaults: Mapping[str, float | int]) -> SamplingParams:
+def sampling_params(
+    body: _SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    model_defaults: Mapping[str, float | int],
+) -> SamplingParams:
     """The engine's SamplingParams for one prompt of the request (ValueError -> 400). A sampling field
     the request leaves out comes from the model's defaults (its generation_config.json), else OpenAI's."""
-    explicit = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
-                "repetition_penalty": body.repetition_penalty}
+    explicit = {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "repetition_penalty": body.repetition_penalty,
+    }
     return SamplingParams(
         n=body.n,
         max_tokens=max_tokens,
@@ -52,19 +62,28 @@ def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None
     )
 
 
-def resolve_max_tokens(state: ServerState, requested: int | None, num_prompt_tokens: int,
-                       default: int | None = None) -> int:
+def resolve_max_tokens(
+    state: ServerState, requested: int | None, num_prompt_tokens: int, default: int | None = None
+) -> int:
     """The request's max_tokens, checked against the server's cap; when it gives none, `default`
     (or as many as fit), within the cap and the context."""
     if num_prompt_tokens > state.max_prompt_tokens:
-        raise APIError(400, f"the prompt has {num_prompt_tokens} tokens; this server accepts at most "
-                       f"{state.max_prompt_tokens}.", "prompt_too_long", "prompt")
+        raise APIError(
+            400,
+            f"the prompt has {num_prompt_tokens} tokens; this server accepts at most {state.max_prompt_tokens}.",
+            "prompt_too_long",
+            "prompt",
+        )
     room = state.engine.max_model_len - num_prompt_tokens
     if requested is None:
         return max(1, min(state.max_tokens, room, default or room))
     if requested > state.max_tokens:
-        raise APIError(400, f"max_tokens is {requested}; this server allows at most {state.max_tokens}.",
-                       "max_tokens_too_large", "max_tokens")
+        raise APIError(
+            400,
+            f"max_tokens is {requested}; this server allows at most {state.max_tokens}.",
+            "max_tokens_too_large",
+            "max_tokens",
+        )
     return requested
 
 
@@ -72,12 +91,22 @@ def check_n(state: ServerState, n: int, num_prompts: int = 1) -> None:
     if n > state.config.max_n:
         raise APIError(400, f"n is {n}; this server allows at most {state.config.max_n}.", "n_too_large", "n")
     if num_prompts > state.config.max_prompts_per_request:
-        raise APIError(400, f"{num_prompts} prompts in one request; this server allows at most "
-                       f"{state.config.max_prompts_per_request}.", "too_many_prompts", "prompt")
+        raise APIError(
+            400,
+            f"{num_prompts} prompts in one request; this server allows at most {state.config.max_prompts_per_request}.",
+            "too_many_prompts",
+            "prompt",
+        )
 
 
-def prepare(state: ServerState, request_id: str, prompt_text: str | None, prompt_ids: list[int],
-            params: SamplingParams, priority: int) -> PreparedRequest:
+def prepare(
+    state: ServerState,
+    request_id: str,
+    prompt_text: str | None,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    priority: int,
+) -> PreparedRequest:
     try:
         return state.engine.prepare(request_id, prompt_text or prompt_ids, params, priority, prompt_ids)
     except ValueError as exc:
@@ -115,10 +144,15 @@ def admit(state: ServerState, key: str, prepared: list[PreparedRequest], arrival
     new_tokens = sum(len(p.children) * len(p.prompt_token_ids) for p in prepared)
     waiting_reqs, waiting_tokens = state.engine.waiting_load()
     cfg = state.config
-    if waiting_reqs and (waiting_reqs + new_reqs > cfg.max_waiting_requests
-                         or waiting_tokens + new_tokens > cfg.max_waiting_tokens):
-        raise APIError(429, f"the server is at capacity ({waiting_reqs} requests waiting); retry shortly.",
-                       "queue_full", headers={"Retry-After": "1"})
+    if waiting_reqs and (
+        waiting_reqs + new_reqs > cfg.max_waiting_requests or waiting_tokens + new_tokens > cfg.max_waiting_tokens
+    ):
+        raise APIError(
+            429,
+            f"the server is at capacity ({waiting_reqs} requests waiting); retry shortly.",
+            "queue_full",
+            headers={"Retry-After": "1"},
+        )
     reserved = sum(len(p.children) * (len(p.prompt_token_ids) + (p.params.max_tokens or 0)) for p in prepared)
     job = Job(prepared, state.limiter.acquire(key, reserved), arrival_time)
     try:
@@ -241,8 +275,11 @@ class JobStreamingResponse(StreamingResponse):
     """A stream that closes its job however it ends, even when the client left before it began."""
 
     def __init__(self, state: ServerState, job: Job, frames: AsyncIterator[str]) -> None:
-        super().__init__(sse_frames(job, frames), media_type="text/event-stream", headers={
-            "Cache-Control": "no-cache", "X-Accel-Buffering": "no", **job.admission.headers})
+        super().__init__(
+            sse_frames(job, frames),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **job.admission.headers},
+        )
         self.state, self.job = state, job
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

@@ -124,7 +124,10 @@ class CudaGraphRunner:
         stats = CaptureStats(list(self.batch_sizes), time.perf_counter() - start, free_before - free_after)
         logger.info(
             "captured %d CUDA graphs for decode batch sizes %s in %.2f s, %.0f MiB",
-            len(self.graphs), stats.batch_sizes, stats.seconds, stats.memory_bytes / 2**20,
+            len(self.graphs),
+            stats.batch_sizes,
+            stats.seconds,
+            stats.memory_bytes / 2**20,
         )
         return stats
 

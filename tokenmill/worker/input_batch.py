@@ -118,8 +118,9 @@ def _decode_batch(states: list[RunnerRequestState], block_size: int, device: tor
     meta = AttentionMetadata(
         query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in states],
-                                  dtype=torch.int32, device=device),  # [n, width]
+        block_tables=torch.tensor(
+            [s.block_ids + [0] * (width - len(s.block_ids)) for s in states], dtype=torch.int32, device=device
+        ),  # [n, width]
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         query_start_loc_cpu=list(range(n + 1)),
         seq_lens_cpu=seq_lens,

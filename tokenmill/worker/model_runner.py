@@ -140,8 +140,12 @@ class ModelRunner:
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
         states = [
             RunnerRequestState(
-                req_id=f"profile-{i}", num_prompt_tokens=n, token_ids=[0] * n, sampling_params=params,
-                block_ids=[0] * -(-n // self.block_size), num_computed_tokens=0,
+                req_id=f"profile-{i}",
+                num_prompt_tokens=n,
+                token_ids=[0] * n,
+                sampling_params=params,
+                block_ids=[0] * -(-n // self.block_size),
+                num_computed_tokens=0,
             )
             for i, n in enumerate(lens)
         ]
@@ -248,7 +252,10 @@ class ModelRunner:
         the same objects, reseeded in place each step."""
         meta = self._meta
         if (
-            meta is not None and meta.no_penalties and meta.no_min_tokens and len(states) == len(self._meta_states)
+            meta is not None
+            and meta.no_penalties
+            and meta.no_min_tokens
+            and len(states) == len(self._meta_states)
             and all(a is b for a, b in zip(states, self._meta_states))
         ):
             return meta

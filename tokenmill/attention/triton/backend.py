@@ -54,9 +54,17 @@ class TritonBackend:
             num_splits = self.num_splits or choose_num_splits(
                 num_seqs, kv_cache.shape[3], meta.max_seq_len, num_sms(q.device)
             )
-            decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, out, scale, num_splits,
-                             self.decode_tiles)
+            decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, out, scale, num_splits, self.decode_tiles)
         else:
-            prefill_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
-                              meta.max_query_len, self.prefill_tiles)
+            prefill_attention(
+                q,
+                kv_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                out,
+                scale,
+                meta.max_query_len,
+                self.prefill_tiles,
+            )
         return out

@@ -58,9 +58,13 @@ def _decode_partial_kernel(
     out_ptr,  # [num_seqs, Hq, D] (written only with ONE_SPLIT)
     scale,
     num_splits,
-    stride_q_seq, stride_q_head,
-    stride_o_seq, stride_o_head,
-    stride_cache_block, stride_cache_off, stride_cache_head,
+    stride_q_seq,
+    stride_q_head,
+    stride_o_seq,
+    stride_o_head,
+    stride_cache_block,
+    stride_cache_off,
+    stride_cache_head,
     stride_bt_seq,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -99,23 +103,25 @@ def _decode_partial_kernel(
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < end
-        kv_off = paged_kv_offsets(block_table, offs_n, n_valid, kv_head, stride_cache_block, stride_cache_off,
-                                  stride_cache_head, BLOCK_SIZE)  # [BLOCK_N]
+        kv_off = paged_kv_offsets(
+            block_table, offs_n, n_valid, kv_head, stride_cache_block, stride_cache_off, stride_cache_head, BLOCK_SIZE
+        )  # [BLOCK_N]
         k = tl.load(
             k_cache_ptr + kv_off[None, :] + dims[:, None],
-            mask=n_valid[None, :] & dim_valid[:, None], other=0.0,
+            mask=n_valid[None, :] & dim_valid[:, None],
+            other=0.0,
         )  # [DIM_PAD, BLOCK_N]
         qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [BLOCK_H, BLOCK_N]
         qk = tl.where(n_valid[None, :], qk, float("-inf"))
         # finite row max: the tile's first key is valid
-        m_i, l_i, acc = softmax_accumulate(qk, m_i, l_i, acc, v_cache_ptr, kv_off, dims, n_valid, dim_valid,
-                                           DOT_PREC)
+        m_i, l_i, acc = softmax_accumulate(qk, m_i, l_i, acc, v_cache_ptr, kv_off, dims, n_valid, dim_valid, DOT_PREC)
 
     part = acc / l_i[:, None]
     if ONE_SPLIT:
         tl.store(
             out_ptr + seq * stride_o_seq + head[:, None] * stride_o_head + dims[None, :],
-            part.to(out_ptr.dtype.element_ty), mask=io_mask,
+            part.to(out_ptr.dtype.element_ty),
+            mask=io_mask,
         )
     else:
         row = (seq * (GROUP * tl.num_programs(1)) + head) * num_splits + split  # [BLOCK_H]: (seq, head, split)
@@ -130,7 +136,8 @@ def _decode_reduce_kernel(
     seq_lens_ptr,
     out_ptr,  # [num_seqs, Hq, D]
     num_splits,
-    stride_o_seq, stride_o_head,
+    stride_o_seq,
+    stride_o_head,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
@@ -147,11 +154,13 @@ def _decode_reduce_kernel(
     row = (seq * tl.num_programs(1) + head) * num_splits + splits  # [SPLITS_PAD]; num_programs(1) = Hq
     lse = tl.load(part_lse_ptr + row, mask=live, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))  # 0 for dead splits; the max is finite when seq_len > 0
-    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], mask=live[:, None] & dim_valid[None, :],
-                   other=0.0)  # [SPLITS_PAD, DIM_PAD]
+    part = tl.load(
+        part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], mask=live[:, None] & dim_valid[None, :], other=0.0
+    )  # [SPLITS_PAD, DIM_PAD]
     out = tl.sum(weight[:, None] * part, 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dim_valid)
+    tl.store(
+        out_ptr + seq * stride_o_seq + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty), mask=dim_valid
+    )
 
 
 def decode_attention(
@@ -182,11 +191,23 @@ def decode_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     dim_pad = max(16, next_pow2(head_dim))
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
-        scale, num_splits,
-        q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        part_out,
+        part_lse,
+        out,
+        scale,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -202,8 +223,13 @@ def decode_attention(
     if one_split:
         return
     _decode_reduce_kernel[(num_seqs, num_heads)](
-        part_out, part_lse, seq_lens, out, num_splits,
-        out.stride(0), out.stride(1),
+        part_out,
+        part_lse,
+        seq_lens,
+        out,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad,
         SPLITS_PAD=max(2, next_pow2(num_splits)),

@@ -16,9 +16,13 @@ def _write_kv_kernel(
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D], unit stride on D
     v_cache_ptr,
     slot_mapping_ptr,  # [num_tokens] int64; a negative slot marks a padding row: nothing is written
-    stride_k_tok, stride_k_head,
-    stride_v_tok, stride_v_head,
-    stride_cache_block, stride_cache_off, stride_cache_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_cache_block,
+    stride_cache_off,
+    stride_cache_head,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block (the page size)
@@ -55,10 +59,18 @@ def write_kv(
         raise ValueError("write_kv needs unit stride on head_dim for k, v and the KV cache.")
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=kv_cache.shape[2],

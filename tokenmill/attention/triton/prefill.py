@@ -63,9 +63,13 @@ def _prefill_kernel(
     query_start_loc_ptr,  # [num_reqs + 1] int32
     scale,
     num_reqs,
-    stride_q_tok, stride_q_head,
-    stride_o_tok, stride_o_head,
-    stride_cache_block, stride_cache_off, stride_cache_head,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_cache_block,
+    stride_cache_off,
+    stride_cache_head,
     stride_bt_req,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
@@ -97,7 +101,8 @@ def _prefill_kernel(
     token = (q_start + q_off).to(tl.int64)
     q = tl.load(
         q_ptr + token[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
-        mask=row_valid[:, None] & dim_valid[None, :], other=0.0,
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
     )  # [BLOCK_M, DIM_PAD]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
@@ -109,17 +114,18 @@ def _prefill_kernel(
     for start_n in range(0, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < kv_end
-        kv_off = paged_kv_offsets(block_table, offs_n, n_valid, kv_head, stride_cache_block, stride_cache_off,
-                                  stride_cache_head, BLOCK_SIZE)  # [BLOCK_N]
+        kv_off = paged_kv_offsets(
+            block_table, offs_n, n_valid, kv_head, stride_cache_block, stride_cache_off, stride_cache_head, BLOCK_SIZE
+        )  # [BLOCK_N]
         k = tl.load(
             k_cache_ptr + kv_off[None, :] + dims[:, None],
-            mask=n_valid[None, :] & dim_valid[:, None], other=0.0,
+            mask=n_valid[None, :] & dim_valid[:, None],
+            other=0.0,
         )  # [DIM_PAD, BLOCK_N]
         qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
         qk = tl.where(offs_n[None, :] <= q_pos[:, None], qk, float("-inf"))
         # Key 0 is in the first tile and visible to every row, so the row max is finite from there on.
-        m_i, l_i, acc = softmax_accumulate(qk, m_i, l_i, acc, v_cache_ptr, kv_off, dims, n_valid, dim_valid,
-                                           DOT_PREC)
+        m_i, l_i, acc = softmax_accumulate(qk, m_i, l_i, acc, v_cache_ptr, kv_off, dims, n_valid, dim_valid, DOT_PREC)
 
     out = acc / l_i[:, None]
     tl.store(
@@ -154,11 +160,22 @@ def prefill_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        scale, num_reqs,
-        q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        num_reqs,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
         GROUP=group,
         HEAD_DIM=head_dim,

@@ -111,8 +111,13 @@ def setup_peer(spec: PeerSpec, force: bool = False, log: Callable[[str], None] =
         raise
     (root / "setup-failed.json").unlink(missing_ok=True)
     record = {
-        "name": spec.name, "version": version, "python": str(python), "seconds": round(time.perf_counter() - started),
-        "size_bytes": _folder_size(root / "venv"), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": steps,
+        "name": spec.name,
+        "version": version,
+        "python": str(python),
+        "seconds": round(time.perf_counter() - started),
+        "size_bytes": _folder_size(root / "venv"),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "steps": steps,
     }
     (root / "setup.json").write_text(json.dumps(record, indent=2))
     return record
@@ -133,8 +138,9 @@ def _run(command: list[str], env: dict[str, str], log_path: Path) -> None:
     with open(log_path, "a") as log_file:
         log_file.write(f"\n$ {' '.join(command)}\n")
         log_file.flush()
-        proc = subprocess.run(command, env={**os.environ, **env}, stdout=log_file, stderr=subprocess.STDOUT,
-                              check=False)
+        proc = subprocess.run(
+            command, env={**os.environ, **env}, stdout=log_file, stderr=subprocess.STDOUT, check=False
+        )
     if proc.returncode != 0:
         tail = log_path.read_text()[-2000:]
         raise RuntimeError(f"`{' '.join(command)}` exited with {proc.returncode}; end of {log_path}:\n{tail}")
@@ -152,8 +158,9 @@ def _folder_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def converted_weights(root: Path, model: Path, name: str, convert: Callable[[Path], None],
-                      log: Callable[[str], None] = print) -> Path:
+def converted_weights(
+    root: Path, model: Path, name: str, convert: Callable[[Path], None], log: Callable[[str], None] = print
+) -> Path:
     """`root/weights/<model>-<key>/<name>`, made once by `convert(tmp_path)` and then renamed into place (so a
     crash leaves no half-written file that looks finished). The key changes when the model's files change."""
     stats = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model.iterdir() if p.is_file())
@@ -171,8 +178,16 @@ def converted_weights(root: Path, model: Path, name: str, convert: Callable[[Pat
     return target
 
 
-def run_driver(name: str, python: str | Path, driver: str, request: PeerRequest, *, env: dict[str, str] | None = None,
-               timeout_s: float | None = None, log_dir: Path | None = None) -> PeerResult:
+def run_driver(
+    name: str,
+    python: str | Path,
+    driver: str,
+    request: PeerRequest,
+    *,
+    env: dict[str, str] | None = None,
+    timeout_s: float | None = None,
+    log_dir: Path | None = None,
+) -> PeerResult:
     """Run `drivers/<driver>` with `python` on `request` in a subprocess and read its result. Never raises for
     an engine failure: a crash, a timeout or a missing result comes back as a PeerResult with `error` set."""
     log_dir = log_dir or peers_dir() / "logs"
@@ -184,8 +199,15 @@ def run_driver(name: str, python: str | Path, driver: str, request: PeerRequest,
         command = [str(python), str(DRIVERS_DIR / driver), str(request_path), str(result_path)]
         with open(log_path, "w") as log_file:
             try:
-                subprocess.run(command, env={**os.environ, **(env or {})}, stdout=log_file,
-                               stderr=subprocess.STDOUT, timeout=timeout_s, cwd=tmp, check=False)
+                subprocess.run(
+                    command,
+                    env={**os.environ, **(env or {})},
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    timeout=timeout_s,
+                    cwd=tmp,
+                    check=False,
+                )
             except subprocess.TimeoutExpired:
                 return PeerResult(engine=name, error=f"timed out after {timeout_s:.0f} s; log: {log_path}")
         if not result_path.is_file():

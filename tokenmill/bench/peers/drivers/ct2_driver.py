@@ -57,8 +57,13 @@ def drive(request: PeerRequest) -> PeerResult:
         raise RuntimeError("the ct2 peer needs a converted CTranslate2 folder in request.weights")
     ctranslate2.set_random_seed(request.seed)
     with stopwatch() as startup:
-        generator = ctranslate2.Generator(request.weights, device="cpu", compute_type=COMPUTE_TYPES[request.dtype],
-                                          intra_threads=request.threads, inter_threads=1)
+        generator = ctranslate2.Generator(
+            request.weights,
+            device="cpu",
+            compute_type=COMPUTE_TYPES[request.dtype],
+            intra_threads=request.threads,
+            inter_threads=1,
+        )
         vocab = load_vocabulary(Path(request.weights))
 
     def generate_batch(prompts: list[PeerPrompt]) -> list[list[int]]:
@@ -67,11 +72,18 @@ def drive(request: PeerRequest) -> PeerResult:
             raise RuntimeError("one static batch needs one temperature")
         temperature = temperatures.pop()
         new = max(p.output_len for p in prompts)
-        sampling = {"sampling_topk": 0, "sampling_topp": 1.0, "sampling_temperature": temperature} \
-            if temperature > 0 else {"sampling_topk": 1}
+        sampling = (
+            {"sampling_topk": 0, "sampling_topp": 1.0, "sampling_temperature": temperature}
+            if temperature > 0
+            else {"sampling_topk": 1}
+        )
         results = generator.generate_batch(
-            [[vocab[t] for t in p.prompt_token_ids] for p in prompts], max_batch_size=0,
-            max_length=new, min_length=new, include_prompt_in_result=False, **sampling,
+            [[vocab[t] for t in p.prompt_token_ids] for p in prompts],
+            max_batch_size=0,
+            max_length=new,
+            min_length=new,
+            include_prompt_in_result=False,
+            **sampling,
         )
         return [list(r.sequences_ids[0]) for r in results]
 
@@ -92,10 +104,16 @@ def drive(request: PeerRequest) -> PeerResult:
                 outputs = generate(prompts, batch_size)
             runs.append(count_run(prompts, outputs, sw.elapsed, variant=f"batch {batch_size}"))
     return PeerResult(
-        engine=request.engine, version=ctranslate2.__version__, startup_s=startup.elapsed,
-        warmup_s=warmup.elapsed, runs=runs,
-        settings={"compute_type": COMPUTE_TYPES[request.dtype], "batch_sizes": batch_sizes,
-                  "intra_threads": request.threads},
+        engine=request.engine,
+        version=ctranslate2.__version__,
+        startup_s=startup.elapsed,
+        warmup_s=warmup.elapsed,
+        runs=runs,
+        settings={
+            "compute_type": COMPUTE_TYPES[request.dtype],
+            "batch_sizes": batch_sizes,
+            "intra_threads": request.threads,
+        },
         notes=["static batches sorted by output length; ids past a request's output_len are not counted"],
     )
 

@@ -64,11 +64,20 @@ def drive(request: PeerRequest) -> PeerResult:
             ids[row, width - len(p.prompt_token_ids) :] = torch.tensor(p.prompt_token_ids)
             mask[row, width - len(p.prompt_token_ids) :] = 1
         new = max(p.output_len for p in prompts)
-        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} \
-            if temperature > 0 else {"do_sample": False}
+        sampling = (
+            {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+            if temperature > 0
+            else {"do_sample": False}
+        )
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                 pad_token_id=pad_id, **sampling)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                pad_token_id=pad_id,
+                **sampling,
+            )
         return [out[row, width:].tolist() for row in range(len(prompts))]
 
     def generate(prompts: list[PeerPrompt], batch_size: int) -> list[list[int]]:
@@ -88,10 +97,17 @@ def drive(request: PeerRequest) -> PeerResult:
                 outputs = generate(prompts, batch_size)
             runs.append(count_run(prompts, outputs, sw.elapsed, variant=f"batch {batch_size}"))
     return PeerResult(
-        engine=request.engine, version=transformers.__version__, startup_s=startup.elapsed,
-        warmup_s=warmup.elapsed, runs=runs,
-        settings={"dtype": request.dtype, "batch_sizes": batch_sizes, "torch": torch.__version__,
-                  "torch_threads": torch.get_num_threads()},
+        engine=request.engine,
+        version=transformers.__version__,
+        startup_s=startup.elapsed,
+        warmup_s=warmup.elapsed,
+        runs=runs,
+        settings={
+            "dtype": request.dtype,
+            "batch_sizes": batch_sizes,
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
         notes=["static batches sorted by output length; ids past a request's output_len are not counted"],
     )
 

@@ -50,8 +50,20 @@ class Slot:
 class BatchedLlama:
     """A llama.cpp model + context + sampler, fed by a tiny continuous-batching loop."""
 
-    def __init__(self, lib: Any, path: str, threads: int, max_num_seqs: int, n_ctx: int, n_batch: int,
-                 n_ubatch: int, kv_type: int, flash_attn: int, temperature: float, seed: int) -> None:
+    def __init__(
+        self,
+        lib: Any,
+        path: str,
+        threads: int,
+        max_num_seqs: int,
+        n_ctx: int,
+        n_batch: int,
+        n_ubatch: int,
+        kv_type: int,
+        flash_attn: int,
+        temperature: float,
+        seed: int,
+    ) -> None:
         self.lib = lib
         lib.llama_backend_init()
         self._log_cb = lib.llama_log_callback(lambda level, text, data: None)  # keep a reference
@@ -145,9 +157,19 @@ def drive(request: PeerRequest) -> PeerResult:
     kv_name = str(opts.get("kv_type", "f32" if request.dtype == "float32" else "f16"))
     n_batch, n_ubatch = int(opts.get("n_batch", 2048)), int(opts.get("n_ubatch", 512))
     with stopwatch() as startup:
-        llama = BatchedLlama(llama_cpp, request.weights, request.threads, max_num_seqs, n_ctx, n_batch, n_ubatch,
-                             GGML_TYPES[kv_name], int(opts.get("flash_attn", -1)),
-                             temperatures.pop() if temperatures else 0.0, request.seed)
+        llama = BatchedLlama(
+            llama_cpp,
+            request.weights,
+            request.threads,
+            max_num_seqs,
+            n_ctx,
+            n_batch,
+            n_ubatch,
+            GGML_TYPES[kv_name],
+            int(opts.get("flash_attn", -1)),
+            temperatures.pop() if temperatures else 0.0,
+            request.seed,
+        )
     with stopwatch() as warmup:
         llama.generate([WARMUP_PROMPT])
     runs = []
@@ -156,10 +178,20 @@ def drive(request: PeerRequest) -> PeerResult:
             outputs = llama.generate(prompts)
         runs.append(count_run(prompts, outputs, sw.elapsed))
     return PeerResult(
-        engine=request.engine, version=llama_cpp.__version__, startup_s=startup.elapsed, warmup_s=warmup.elapsed,
+        engine=request.engine,
+        version=llama_cpp.__version__,
+        startup_s=startup.elapsed,
+        warmup_s=warmup.elapsed,
         runs=runs,
-        settings={"gguf": request.weights, "max_num_seqs": max_num_seqs, "n_ctx": n_ctx, "n_batch": n_batch,
-                  "n_ubatch": n_ubatch, "kv_type": kv_name, "threads": request.threads},
+        settings={
+            "gguf": request.weights,
+            "max_num_seqs": max_num_seqs,
+            "n_ctx": n_ctx,
+            "n_batch": n_batch,
+            "n_ubatch": n_ubatch,
+            "kv_type": kv_name,
+            "threads": request.threads,
+        },
         notes=["continuous batching in the driver over llama_decode with one sequence id per request"],
     )
 

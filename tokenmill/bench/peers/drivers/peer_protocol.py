@@ -101,8 +101,9 @@ class PeerResult:
         return cls(**data)
 
 
-def count_run(prompts: list[PeerPrompt], outputs: list[list[int]], elapsed_s: float,
-              variant: str | None = None) -> RunResult:
+def count_run(
+    prompts: list[PeerPrompt], outputs: list[list[int]], elapsed_s: float, variant: str | None = None
+) -> RunResult:
     """A RunResult from the engine's returned ids (one list per prompt, in order), each capped at its
     request's output_len so ids a static batch made past a request's end are not counted."""
     if len(outputs) != len(prompts):

@@ -42,8 +42,9 @@ def drive(request: PeerRequest) -> PeerResult:
         return SamplingParams(max_tokens=p.output_len, temperature=p.temperature, ignore_eos=True)
 
     def generate(prompts: list[PeerPrompt]) -> list[list[int]]:
-        outs = llm.generate([{"prompt_token_ids": p.prompt_token_ids} for p in prompts],
-                            [params(p) for p in prompts], use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p.prompt_token_ids} for p in prompts], [params(p) for p in prompts], use_tqdm=False
+        )
         return [list(o.outputs[0].token_ids) for o in outs]
 
     with stopwatch() as startup:
@@ -57,12 +58,20 @@ def drive(request: PeerRequest) -> PeerResult:
         runs.append(count_run(prompts, outputs, sw.elapsed))
     config = llm.config
     return PeerResult(
-        engine=request.engine, version=tokenmill.__version__, startup_s=startup.elapsed, warmup_s=warmup.elapsed,
+        engine=request.engine,
+        version=tokenmill.__version__,
+        startup_s=startup.elapsed,
+        warmup_s=warmup.elapsed,
         runs=runs,
-        settings={"dtype": config.model.dtype, "max_num_seqs": config.scheduler.max_num_seqs,
-                  "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
-                  "block_size": config.cache.block_size, "attention_backend": llm.engine.runner.backend.name,
-                  "torch_threads": torch.get_num_threads(), "pid": os.getpid()},
+        settings={
+            "dtype": config.model.dtype,
+            "max_num_seqs": config.scheduler.max_num_seqs,
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+            "block_size": config.cache.block_size,
+            "attention_backend": llm.engine.runner.backend.name,
+            "torch_threads": torch.get_num_threads(),
+            "pid": os.getpid(),
+        },
     )
 
 

@@ -36,15 +36,16 @@ def drive(request: PeerRequest) -> PeerResult:
     def generate(prompts: list[PeerPrompt]) -> list[list[int]]:
         outs = llm.generate(
             [TokensPrompt(prompt_token_ids=p.prompt_token_ids) for p in prompts],
-            [SamplingParams(max_tokens=p.output_len, temperature=p.temperature, ignore_eos=True, seed=None)
-             for p in prompts],
+            [
+                SamplingParams(max_tokens=p.output_len, temperature=p.temperature, ignore_eos=True, seed=None)
+                for p in prompts
+            ],
             use_tqdm=False,
         )
         return [list(o.outputs[0].token_ids) for o in outs]
 
     with stopwatch() as startup:
-        llm = LLM(model=request.model, dtype=request.dtype, max_model_len=max_model_len, seed=request.seed,
-                  **kwargs)
+        llm = LLM(model=request.model, dtype=request.dtype, max_model_len=max_model_len, seed=request.seed, **kwargs)
     with stopwatch() as warmup:
         generate([WARMUP_PROMPT])
     runs = []
@@ -54,10 +55,17 @@ def drive(request: PeerRequest) -> PeerResult:
         runs.append(count_run(prompts, outputs, sw.elapsed))
     sched = llm.llm_engine.vllm_config.scheduler_config
     return PeerResult(
-        engine=request.engine, version=vllm.__version__, startup_s=startup.elapsed, warmup_s=warmup.elapsed,
+        engine=request.engine,
+        version=vllm.__version__,
+        startup_s=startup.elapsed,
+        warmup_s=warmup.elapsed,
         runs=runs,
-        settings={"dtype": request.dtype, "max_model_len": max_model_len, "max_num_seqs": sched.max_num_seqs,
-                  "max_num_batched_tokens": sched.max_num_batched_tokens},
+        settings={
+            "dtype": request.dtype,
+            "max_model_len": max_model_len,
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+        },
     )
 
 

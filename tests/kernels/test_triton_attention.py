@@ -18,13 +18,14 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from tokenmill.attention.torch_ref import write_kv as ref_write_kv
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.torch_ref import TorchRefBackend
+from tokenmill.attention.torch_ref import write_kv as ref_write_kv
 
 if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed: `pip install -e '.[gpu]'` to run the Triton kernel tests",
-                allow_module_level=True)
+    pytest.skip(
+        "triton is not installed: `pip install -e '.[gpu]'` to run the Triton kernel tests", allow_module_level=True
+    )
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -46,11 +47,16 @@ def _interpreter_env() -> Iterator[None]:
 
 def _import_kernels() -> dict[str, ModuleType]:
     if not ON_GPU and "triton" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
-        pytest.skip("triton was imported earlier in this process without TRITON_INTERPRET=1, so its kernels "
-                    "cannot run on CPU; run this file alone or with TRITON_INTERPRET=1", allow_module_level=True)
+        pytest.skip(
+            "triton was imported earlier in this process without TRITON_INTERPRET=1, so its kernels "
+            "cannot run on CPU; run this file alone or with TRITON_INTERPRET=1",
+            allow_module_level=True,
+        )
     with _interpreter_env():
-        return {n: importlib.import_module(f"tokenmill.attention.triton.{n}")
-                for n in ("kv_write", "prefill", "decode", "backend")}
+        return {
+            n: importlib.import_module(f"tokenmill.attention.triton.{n}")
+            for n in ("kv_write", "prefill", "decode", "backend")
+        }
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -244,16 +250,16 @@ def test_get_backend_selects_triton_by_name() -> None:
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_default_tiles_on_a_llama_8b_shaped_mixed_batch(dtype: torch.dtype) -> None:
-    batch = paged_batch([1, 300, 1, 77, 1], [2000, 0, 513, 1024, 31], num_heads=32, num_kv_heads=8,
-                        head_dim=128, dtype=dtype)
+    batch = paged_batch(
+        [1, 300, 1, 77, 1], [2000, 0, 513, 1024, 31], num_heads=32, num_kv_heads=8, head_dim=128, dtype=dtype
+    )
     assert_matches_reference(batch, TritonBackend(DEVICE), atol=2e-2)
 
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_default_split_heuristic_on_long_decode_contexts(dtype: torch.dtype) -> None:
-    batch = paged_batch([1] * 4, [4000, 17, 9000, 640], num_heads=16, num_kv_heads=8, head_dim=128,
-                        dtype=dtype)
+    batch = paged_batch([1] * 4, [4000, 17, 9000, 640], num_heads=16, num_kv_heads=8, head_dim=128, dtype=dtype)
     assert_matches_reference(batch, TritonBackend(DEVICE), atol=2e-2 if dtype == torch.bfloat16 else 1e-4)
 
 

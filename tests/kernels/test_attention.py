@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.attention.selector import get_backend
 from tokenmill.attention.cpu import SDPABackend
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.pair_layout import dequantize_int8_cache, from_pair_layout, to_pair_layout
+from tokenmill.attention.selector import get_backend
 from tokenmill.ops.build import cpu_has_avx512_bf16
 
 BLOCK, HQ, HKV, D, NUM_BLOCKS = 16, 8, 2, 32, 64
@@ -40,9 +40,14 @@ def mixed_batch(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         qsl.append(qsl[-1] + n)
     seq_lens = [c + n for c, n in zip(computed, new)]
     meta = AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables, slot_mapping=torch.tensor(slots), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
-        max_query_len=max(new), max_seq_len=max(seq_lens),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        max_query_len=max(new),
+        max_seq_len=max(seq_lens),
     )
     return q, k, v, cache, meta  # type: ignore[return-value]
 
@@ -107,8 +112,15 @@ def test_cpp_decode_kernel_rejects_a_float16_cache() -> None:
         kernels.paged_decode(q[:2].contiguous(), cache.half(), meta.block_tables[:2], meta.seq_lens[:2], D**-0.5)
 
 
-def _gathered_reference(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                        scale: float, query_start: list[int] | None = None, bf16_products: bool = False) -> torch.Tensor:
+def _gathered_reference(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    query_start: list[int] | None = None,
+    bf16_products: bool = False,
+) -> torch.Tensor:
     """Causal attention in float64 over each sequence's gathered cache rows; sequence i's queries are
     rows query_start[i]:query_start[i + 1] of q (default: one each), the last of its lens[i] positions.
     bf16_products emulates the AVX-512 BF16 kernel: query times scale and the unnormalized
@@ -146,8 +158,9 @@ def _bf16_products(kernels: object, cache: torch.Tensor) -> bool:
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 64), (8, 4, 128), (8, 2, 36)])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_seqs", [2, 11])
-def test_cpp_decode_kernel_over_head_layouts(num_heads: int, num_kv_heads: int, head_dim: int,
-                                             cache_dtype: torch.dtype, num_seqs: int) -> None:
+def test_cpp_decode_kernel_over_head_layouts(
+    num_heads: int, num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype, num_seqs: int
+) -> None:
     # GQA groups of 3, 7 (read in passes of 3 + 3 + 1 heads), 2 and 4 (3 + 1); head_dim 36 takes the portable
     # loops; 2 sequences split the work by kv head, 11 by sequence; lengths cover partial blocks and 0.
     kernels = SDPABackend(torch.device("cpu"))._kernels
@@ -159,8 +172,7 @@ def test_cpp_decode_kernel_over_head_layouts(num_heads: int, num_kv_heads: int, 
     cache = torch.randn(2, num_blocks, block, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
     q = torch.randn(num_seqs, num_heads, head_dim, generator=gen)
     got = kernels.paged_decode(q, _served("cpu", cache), tables, lens, head_dim**-0.5)
-    expected = _gathered_reference(q, cache, tables, lens, head_dim**-0.5,
-                                   bf16_products=_bf16_products(kernels, cache))
+    expected = _gathered_reference(q, cache, tables, lens, head_dim**-0.5, bf16_products=_bf16_products(kernels, cache))
     assert got.shape == q.shape and got.dtype == q.dtype
     assert (got.double() - expected).abs().max().item() < 1e-5
 
@@ -176,8 +188,9 @@ def test_avx512_kernel_serves_bf16_caches_where_the_cpu_has_it() -> None:
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 64), (8, 4, 128), (4, 4, 32)])
 @pytest.mark.parametrize("num_seqs", [3, 12])
-def test_paged_attention_over_prompt_chunks_and_decode_rows(num_heads: int, num_kv_heads: int, head_dim: int,
-                                                            num_seqs: int) -> None:
+def test_paged_attention_over_prompt_chunks_and_decode_rows(
+    num_heads: int, num_kv_heads: int, head_dim: int, num_seqs: int
+) -> None:
     """Fresh prompts, chunks after a cached prefix (tiles of many query rows) and decode rows in one
     call, against the float64 reference emulating the bf16 products. 3 sequences split the work by kv
     head, 12 take all kv heads per item."""
@@ -197,8 +210,9 @@ def test_paged_attention_over_prompt_chunks_and_decode_rows(num_heads: int, num_
     for n in q_lens:
         starts.append(starts[-1] + n)
     q = torch.randn(starts[-1], num_heads, head_dim, generator=gen)
-    got = kernels.paged_attention(q, to_pair_layout(cache), tables, lens, torch.tensor(starts, dtype=torch.int32),
-                                  head_dim**-0.5)
+    got = kernels.paged_attention(
+        q, to_pair_layout(cache), tables, lens, torch.tensor(starts, dtype=torch.int32), head_dim**-0.5
+    )
     expected = _gathered_reference(q, cache, tables, lens, head_dim**-0.5, starts, bf16_products=True)
     exact = _gathered_reference(q, cache, tables, lens, head_dim**-0.5, starts)
     assert got.shape == q.shape and got.dtype == q.dtype
@@ -209,8 +223,9 @@ def test_paged_attention_over_prompt_chunks_and_decode_rows(num_heads: int, num_
     # q as the model passes it: a view of the fused QKV output, its rows wider than the q heads
     qkv = torch.cat([q.flatten(1), torch.randn(q.shape[0], 2 * num_kv_heads * head_dim, generator=gen)], dim=1)
     q_view = qkv[:, : num_heads * head_dim].view(q.shape)
-    in_place = kernels.paged_attention(q_view, to_pair_layout(cache), tables, lens,
-                                       torch.tensor(starts, dtype=torch.int32), head_dim**-0.5)
+    in_place = kernels.paged_attention(
+        q_view, to_pair_layout(cache), tables, lens, torch.tensor(starts, dtype=torch.int32), head_dim**-0.5
+    )
     assert torch.equal(in_place, got)
 
 
@@ -299,9 +314,15 @@ def test_int8_cache_quantizes_each_row_and_attends_like_its_dequantized_values(
     q_lens = [1, 37, 1, 20, 130]
     lens = torch.tensor([45, 37, 16, 70, 150], dtype=torch.int32)
     tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * max_blocks].view(num_seqs, -1).to(torch.int32)
-    slots = torch.cat([tables[i, torch.arange(n) // block].long() * block + torch.arange(n) % block
-                       for i, n in enumerate(lens.tolist())])
-    k = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen) * torch.rand(len(slots), num_kv_heads, 1, generator=gen)
+    slots = torch.cat(
+        [
+            tables[i, torch.arange(n) // block].long() * block + torch.arange(n) % block
+            for i, n in enumerate(lens.tolist())
+        ]
+    )
+    k = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen) * torch.rand(
+        len(slots), num_kv_heads, 1, generator=gen
+    )
     v = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen)
     k[3] = 0.0  # a zero row: scale 0, no division by it
     kernels.write_kv(k, v, cache, slots)

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tiny_models import make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.loader import model_source
 from tokenmill.ops import packed_gemm
-from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not packed_gemm.available(), reason="the C++ packed GEMM could not be built here")
 
@@ -35,8 +35,12 @@ def _count_fused_calls(llm: LLM) -> list[int]:
 
 @pytest.mark.parametrize(
     "precision",
-    [{"dtype": "float32"}, {"dtype": "bfloat16"}, {"dtype": "bfloat16", "kv_cache_dtype": "float32"},
-     {"dtype": "bfloat16", "quantization": "int8"}],
+    [
+        {"dtype": "float32"},
+        {"dtype": "bfloat16"},
+        {"dtype": "bfloat16", "kv_cache_dtype": "float32"},
+        {"dtype": "bfloat16", "quantization": "int8"},
+    ],
 )
 def test_fused_decode_matches_layer_by_layer(
     tiny_model: Path, precision: dict[str, str], monkeypatch: pytest.MonkeyPatch
@@ -69,8 +73,13 @@ MANY_PROMPTS = [list(range(3 + i, 10 + 3 * i)) for i in range(11)]
 
 @pytest.mark.parametrize(
     ("precision", "prompts"),
-    [({}, PROMPTS), ({"kv_cache_dtype": "int8"}, PROMPTS), ({"quantization": "int8", "kv_cache_dtype": "int8"}, PROMPTS),
-     ({}, MANY_PROMPTS), ({"quantization": "int8", "kv_cache_dtype": "int8"}, MANY_PROMPTS)],
+    [
+        ({}, PROMPTS),
+        ({"kv_cache_dtype": "int8"}, PROMPTS),
+        ({"quantization": "int8", "kv_cache_dtype": "int8"}, PROMPTS),
+        ({}, MANY_PROMPTS),
+        ({"quantization": "int8", "kv_cache_dtype": "int8"}, MANY_PROMPTS),
+    ],
 )
 def test_fused_decode_with_the_avx512_attention_matches_layer_by_layer(
     tmp_path: Path, precision: dict[str, str], prompts: list[list[int]]
@@ -82,8 +91,14 @@ def test_fused_decode_with_the_avx512_attention_matches_layer_by_layer(
     fused = LLM(model=str(folder), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=16, **precision)
     if not fused.engine.runner.backend.serves_int8_cache(16, 2, 32):  # type: ignore[attr-defined]
         pytest.skip("the AVX-512 BF16 attention kernel is not built here")
-    eager = LLM(model=str(folder), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=16,
-                enforce_eager=True, **precision)
+    eager = LLM(
+        model=str(folder),
+        dtype="bfloat16",
+        num_kv_blocks=64,
+        max_num_batched_tokens=16,
+        enforce_eager=True,
+        **precision,
+    )
     assert fused.engine.runner.fused_decode_off_reason is None
     stack = fused.engine.runner.fused_decode
     calls = _count_fused_calls(fused)
@@ -133,8 +148,15 @@ def test_fused_decode_refuses_a_malformed_layer_before_keeping_it(tmp_path: Path
     model = llm.engine.runner.model
     attn, mlp, layer = model.layers[0].self_attn, model.layers[0].mlp, model.layers[0]
     stack = build.load("decode_stack").DecodeStack(
-        attn.num_heads, attn.num_kv_heads, attn.head_dim, model.norm.eps, attn.scale, model.norm.weight,
-        model.embed_tokens.weight, model.rotary.cos, model.rotary.sin,
+        attn.num_heads,
+        attn.num_kv_heads,
+        attn.head_dim,
+        model.norm.eps,
+        attn.scale,
+        model.norm.weight,
+        model.embed_tokens.weight,
+        model.rotary.cos,
+        model.rotary.sin,
     )
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     linears = [_packed(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]

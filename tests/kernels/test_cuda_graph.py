@@ -22,18 +22,30 @@ def decode_batch(context_lens: list[int], device: torch.device, first_block: int
     states, next_block = [], first_block
     for i, n in enumerate(context_lens):
         n_blocks = n // BLOCK_SIZE + 1  # room for the new token too
-        states.append(RunnerRequestState(
-            req_id=f"r{i}", num_prompt_tokens=n, token_ids=[(7 * i + j) % 500 + 3 for j in range(n + 1)],
-            sampling_params=SamplingParams(), block_ids=list(range(next_block, next_block + n_blocks)),
-            num_computed_tokens=n,
-        ))
+        states.append(
+            RunnerRequestState(
+                req_id=f"r{i}",
+                num_prompt_tokens=n,
+                token_ids=[(7 * i + j) % 500 + 3 for j in range(n + 1)],
+                sampling_params=SamplingParams(),
+                block_ids=list(range(next_block, next_block + n_blocks)),
+                num_computed_tokens=n,
+            )
+        )
         next_block += n_blocks
     return build_step_batch(states, [1] * len(states), BLOCK_SIZE, device)
 
 
 def cpu_runner(max_num_seqs: int = 8) -> CudaGraphRunner:
-    return CudaGraphRunner(nn.Identity(), max_num_seqs=max_num_seqs, max_model_len=128, block_size=BLOCK_SIZE,
-                           hidden_size=64, dtype=torch.float32, device=torch.device("cpu"))
+    return CudaGraphRunner(
+        nn.Identity(),
+        max_num_seqs=max_num_seqs,
+        max_model_len=128,
+        block_size=BLOCK_SIZE,
+        hidden_size=64,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
 
 
 def test_buckets_are_powers_of_two_then_multiples_of_32_up_to_max_num_seqs() -> None:
@@ -75,8 +87,8 @@ def test_graph_replay_equals_the_eager_forward(dtype: str) -> None:
 
     from tokenmill.attention.triton.backend import TritonBackend
     from tokenmill.config import ModelConfig
-    from tokenmill.worker.model_loader import load_model
     from tokenmill.models.llama import Attention
+    from tokenmill.worker.model_loader import load_model
 
     cuda = torch.device("cuda")
     hf_config = AutoConfig.for_model("llama", **TINY)
@@ -88,8 +100,15 @@ def test_graph_replay_equals_the_eager_forward(dtype: str) -> None:
         cache = torch.randn(2, 128, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim, device=cuda).to(torch_dtype)
         attn.kv_cache = cache
         caches.append(cache)
-    runner = CudaGraphRunner(model, max_num_seqs=8, max_model_len=256, block_size=BLOCK_SIZE,
-                             hidden_size=hf_config.hidden_size, dtype=torch_dtype, device=cuda)
+    runner = CudaGraphRunner(
+        model,
+        max_num_seqs=8,
+        max_model_len=256,
+        block_size=BLOCK_SIZE,
+        hidden_size=hf_config.hidden_size,
+        dtype=torch_dtype,
+        device=cuda,
+    )
     stats = runner.capture()
     assert stats.batch_sizes == [1, 2, 4, 8] and stats.seconds > 0
 
