@@ -40,11 +40,12 @@ def test_a_missing_or_wrong_key_is_401(guarded: RunningServer) -> None:
         assert client.get("/version").status_code == 401
 
 
-def test_health_ready_and_metrics_need_no_key(guarded: RunningServer) -> None:
+def test_health_and_ready_need_no_key_and_metrics_does(guarded: RunningServer) -> None:
     with guarded.client() as client:
         assert client.get("/health").status_code == 200
         assert client.get("/ready").status_code == 200
-        assert client.get("/metrics").status_code == 200
+        assert client.get("/metrics").status_code == 401
+        assert client.get("/metrics", headers=auth("key-b")).status_code == 200
 
 
 def test_a_spent_key_gets_429_with_retry_after_and_other_keys_do_not(guarded: RunningServer) -> None:

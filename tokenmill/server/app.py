@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -25,6 +26,7 @@ from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
 from tokenmill.server.config import ServerState
 from tokenmill.server.errors import APIError, error_body, install_error_handlers
+from tokenmill.server.hosts import HostMiddleware, allowed_hosts
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -86,8 +88,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
     async def models() -> ModelList:
-        root = state.engine.config.model.model
-        return ModelList(data=[ModelCard(id=state.model_name, root=root, max_model_len=state.engine.max_model_len)])
+        # The served name only: the model's path on this machine is no client's business.
+        card = ModelCard(id=state.model_name, root=state.model_name, max_model_len=state.engine.max_model_len)
+        return ModelList(data=[card])
 
     @app.get("/health", responses={503: _ERRORS[503]})
     async def health() -> Response:
@@ -118,9 +121,19 @@ def build_app(state: ServerState) -> FastAPI:
         return {"version": tokenmill.__version__}
 
     # The last added runs first: keys are checked before any body is read.
-    public = _PUBLIC_PATHS if state.config.metrics_require_key else _PUBLIC_PATHS | {"/metrics"}
+    public = _PUBLIC_PATHS | {"/metrics"} if state.config.metrics_public else _PUBLIC_PATHS
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes)  # type: ignore[arg-type]
     app.add_middleware(AuthMiddleware, state=state, public_paths=public)  # type: ignore[arg-type]
+    if state.config.allowed_origins:  # outside auth: preflights carry no key, and 401s need CORS headers
+        app.add_middleware(
+            CORSMiddleware,  # type: ignore[arg-type]
+            allow_origins=list(state.config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["Retry-After"],
+        )
+    hosts = allowed_hosts(state.config.host, state.config.allowed_hosts)
+    app.add_middleware(HostMiddleware, allowed=hosts)  # type: ignore[arg-type]
     return app
 
 
@@ -152,8 +165,15 @@ class AuthMiddleware:
         if scope["type"] != "http" or scope["path"] in self.public:
             return await self.app(scope, receive, send)
         auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        address = scope["client"][0] if scope.get("client") else ""
         try:
-            scope["tokenmill_key"] = self.state.keys.identify(auth)
+            if self.state.keys.enabled:
+                self.state.throttle.check(address)  # before the key, so a throttled address learns nothing
+            try:
+                scope["tokenmill_key"] = self.state.keys.identify(auth)
+            except APIError:
+                self.state.throttle.failed(address)
+                raise
         except APIError as exc:
             return await _send_error(send, exc.status, exc.message, exc.code or "", exc.headers)
         await self.app(scope, receive, send)

@@ -46,7 +46,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_request") from exc
     request_id = new_id("chatcmpl")
-    prepared = serving.prepare(state, request_id, None, ids, params, body.priority)
+    prepared = serving.prepare(state, request_id, None, ids, params, state.priority(key, body.priority))
     job = serving.admit(state, key, [prepared], arrival)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

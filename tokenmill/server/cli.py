@@ -29,6 +29,32 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     server = parser.add_argument_group("server")
     server.add_argument("--host", default=d.host, help="address to bind (default 127.0.0.1: this machine only)")
     server.add_argument("--port", type=int, default=d.port)
+    server.add_argument("--ssl-certfile", default=None, metavar="FILE", help="serve https with this certificate (PEM)")
+    server.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="the certificate's private key (PEM)")
+    server.add_argument("--ssl-ca-certs", default=None, metavar="FILE", help="CA bundle for client certificates")
+    server.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=d.ssl_cert_reqs,
+        choices=[0, 1, 2],
+        help="client certificates: 0 not asked (default), 1 optional, 2 required (with --ssl-ca-certs)",
+    )
+    server.add_argument(
+        "--allowed-hosts",
+        action="append",
+        default=[],
+        metavar="HOSTS",
+        help="Host names to answer (repeat, or comma-separate; '*.example.com', '*' for any); "
+        "default: on loopback only localhost, 127.0.0.1 and [::1] (against DNS rebinding), else any",
+    )
+    server.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=[],
+        metavar="ORIGINS",
+        help="browser origins allowed by CORS, e.g. https://app.example.com (repeat, or comma-separate); "
+        "default: no CORS",
+    )
     server.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
     server.add_argument(
         "--api-key",
@@ -73,16 +99,49 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="run the engine core on a thread of the server process instead of its own process "
         "(debugging; it then shares the GIL with HTTP and detokenization, so it is slower)",
     )
-    server.add_argument("--metrics-require-key", action="store_true", help="protect /metrics with the API key")
+    server.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve /metrics without a key even when API keys are set (by default it then needs one)",
+    )
+    server.add_argument(
+        "--priority-keys",
+        action="append",
+        default=[],
+        metavar="KEYS",
+        help="API keys whose requests' `priority` is honoured (repeat, or comma-separate); "
+        "other requests count as priority 0",
+    )
+    server.add_argument(
+        "--max-failed-logins",
+        type=int,
+        default=d.max_failed_logins,
+        help="failed logins (401s) per minute from one address before it is answered 429 for the rest of the minute",
+    )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=cmd_serve)
     return parser
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
+    from tokenmill.server.hosts import split_commas
+
+    try:
+        return _server_config(args, split_commas(args.allowed_hosts), split_commas(args.allowed_origins))
+    except ValueError as exc:
+        raise SystemExit(f"tokenmill serve: error: {exc}") from None
+
+
+def _server_config(args: argparse.Namespace, hosts: tuple[str, ...], origins: tuple[str, ...]) -> ServerConfig:
     return ServerConfig(
         host=args.host,
         port=args.port,
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+        allowed_hosts=hosts,
+        allowed_origins=origins,
         served_model_name=args.served_model_name,
         api_keys=tuple(args.api_keys),
         requests_per_min=args.requests_per_min,
@@ -95,7 +154,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
         engine_stall_timeout_s=args.engine_stall_timeout,
-        metrics_require_key=args.metrics_require_key,
+        metrics_public=args.metrics_public,
+        priority_keys=tuple(k for arg in args.priority_keys for k in arg.split(",") if k.strip()),
+        max_failed_logins=args.max_failed_logins,
         engine_in_thread=args.engine_in_thread,
     )
 

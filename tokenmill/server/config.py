@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.metrics.prometheus import ServerMetrics
 from tokenmill.server.errors import APIError
-from tokenmill.server.security import ApiKeys, RateLimiter
+from tokenmill.server.security import ApiKeys, LoginThrottle, RateLimiter
 
 API_KEY_ENV = "TOKENMILL_API_KEY"  # one key, or several separated by commas
 
@@ -17,6 +17,12 @@ API_KEY_ENV = "TOKENMILL_API_KEY"  # one key, or several separated by commas
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    ssl_certfile: str | None = None  # with ssl_keyfile: serve https
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None  # CA bundle to check client certificates against
+    ssl_cert_reqs: int = 0  # ssl.CERT_NONE (0), CERT_OPTIONAL (1) or CERT_REQUIRED (2): client certificates
+    allowed_hosts: tuple[str, ...] = ()  # Host names to answer; (): loopback names on loopback, else any
+    allowed_origins: tuple[str, ...] = ()  # CORS origins; (): no CORS headers
     served_model_name: str | None = None  # default: the model folder's name
     api_keys: tuple[str, ...] = ()  # with API_KEY_ENV's keys added by `keys()`
     requests_per_min: int | None = None  # per key; None: no limit
@@ -31,7 +37,17 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     engine_stall_timeout_s: float = 300.0  # in-flight requests and no engine report this long fail /health
     engine_in_thread: bool = False  # run the engine core on a thread of the server process, not its own
-    metrics_require_key: bool = False  # /metrics is open by default, for scrapers
+    metrics_public: bool = False  # once API keys are set, /metrics needs one too unless this
+    priority_keys: tuple[str, ...] = ()  # only these API keys' `priority` counts; others' count as 0
+    max_failed_logins: int = 10  # 401s from one address per minute before it is answered 429
+
+    def __post_init__(self) -> None:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both, or neither")
+
+    @property
+    def tls(self) -> bool:
+        return self.ssl_certfile is not None
 
     def keys(self) -> list[str]:
         env = os.environ.get(API_KEY_ENV, "")
@@ -46,6 +62,7 @@ class ServerState:
     metrics: ServerMetrics
     keys: ApiKeys
     limiter: RateLimiter
+    throttle: LoginThrottle = field(default_factory=LoginThrottle)
     draining: bool = False
 
     @classmethod
@@ -58,9 +75,15 @@ class ServerState:
             engine,
             name,
             metrics,
-            ApiKeys(config.keys()),
+            ApiKeys(config.keys(), config.priority_keys),
             RateLimiter(config.requests_per_min, config.tokens_per_min),
+            LoginThrottle(config.max_failed_logins),
         )
+
+    def priority(self, key: str, requested: int) -> int:
+        """A request's scheduling priority: what it asked for if its key is one of --priority-keys,
+        else 0 (without API keys, every request's is 0), so that no client can jump the queue."""
+        return requested if self.keys.honours_priority(key) else 0
 
     @property
     def max_tokens(self) -> int:

@@ -22,6 +22,7 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.loader.generation_config import describe_sampling_defaults
 from tokenmill.server.app import build_app
 from tokenmill.server.config import ServerConfig, ServerState
+from tokenmill.server.hosts import is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -78,20 +79,27 @@ class GracefulServer(uvicorn.Server):
 
 def make_server(state: ServerState, log_level: str = "info") -> GracefulServer:
     app = build_app(state)
+    c = state.config
     config = uvicorn.Config(
         app,
-        host=state.config.host,
-        port=state.config.port,
+        host=c.host,
+        port=c.port,
         log_level=log_level,
         timeout_graceful_shutdown=_FLUSH_TIMEOUT_S,
         access_log=log_level == "debug",
+        ssl_certfile=c.ssl_certfile,
+        ssl_keyfile=c.ssl_keyfile,
+        ssl_ca_certs=c.ssl_ca_certs,
+        ssl_cert_reqs=c.ssl_cert_reqs,
     )
     return GracefulServer(config, state)
 
 
 def print_usage(server: GracefulServer) -> None:
     state, host = server.state, server.config.host
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{server.bound_port()}"
+    scheme = "https" if state.config.tls else "http"
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else f"[{host}]" if ":" in host else host
+    url = f"{scheme}://{host}:{server.bound_port()}"
     key = "$TOKENMILL_API_KEY" if state.keys.enabled else "unused"
     auth = ' -H "Authorization: Bearer $TOKENMILL_API_KEY"' if state.keys.enabled else ""
     sampling = describe_sampling_defaults(state.engine.config.model.generation_config, state.sampling_defaults)
@@ -121,6 +129,11 @@ def serve(engine_args: EngineArgs, config: ServerConfig, log_level: str = "info"
         logger.warning(
             "listening on %s without an API key: anyone who can reach it can use it "
             "(set --api-key or TOKENMILL_API_KEY)",
+            config.host,
+        )
+    if not is_loopback(config.host) and not config.allowed_hosts:
+        logger.warning(
+            "listening on %s without --allowed-hosts: requests with any Host header are answered",
             config.host,
         )
     server = make_server(state, log_level)

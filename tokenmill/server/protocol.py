@@ -11,11 +11,13 @@ generation_config.json (see `--generation-config`), then OpenAI's."""
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from tokenmill.sampling_params import MAX_N
 
@@ -53,6 +55,33 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(data: object) -> str | None:
+    """Where in a parsed JSON body a string holds a lone surrogate ("\\ud800" is valid JSON but no
+    Unicode text: it can be neither tokenized nor sent back as UTF-8), else None. Iterative: bodies
+    may nest deeply."""
+    stack: list[tuple[object, str]] = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path[:200] or "the body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if _SURROGATE.search(key):
+                    return f"a key of {path[:200] or 'the body'}"
+                stack.append((item, f"{path}.{key}" if path else key))
+        elif isinstance(value, list):
+            stack.extend(
+                (item, f"{path}.{i}" if path else str(i))
+                for i, item in enumerate(value)
+                if isinstance(item, (str, dict, list))  # not each token id of a long prompt
+            )
+    return None
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -88,6 +117,15 @@ class _SamplingFields(_Strict):
     priority: Priority = Field(default=0, description="Lower runs first (with --scheduling-policy priority).")
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        if (where := _lone_surrogate(data)) is not None:
+            raise PydanticCustomError(
+                "invalid_unicode", "{where} holds a lone UTF-16 surrogate, which is not Unicode text", {"where": where}
+            )
+        return data
 
 
 class CompletionRequest(_SamplingFields):

@@ -1,4 +1,5 @@
-"""API keys (compared in constant time) and per-key rate limits (requests/min, tokens/min).
+"""API keys (compared in constant time), per-key rate limits (requests/min, tokens/min), and a
+throttle on failed logins per client address.
 
 Each limit is a token bucket holding one minute's budget that refills continuously, so a key may
 burst up to its per-minute limit and then runs at the limit's rate. A request is charged its
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hmac
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from tokenmill.server.errors import APIError
@@ -18,8 +20,18 @@ ANONYMOUS = "anonymous"
 
 
 class ApiKeys:
-    def __init__(self, keys: list[str]) -> None:
-        self._keys = [k.encode() for k in dict.fromkeys(k.strip() for k in keys) if k]
+    def __init__(self, keys: list[str], priority_keys: list[str] | tuple[str, ...] = ()) -> None:
+        unique = [k for k in dict.fromkeys(k.strip() for k in keys) if k]
+        self._keys = [k.encode() for k in unique]
+        wanted = {k.strip() for k in priority_keys if k.strip()}
+        unknown = wanted - set(unique)
+        if unknown:
+            raise ValueError(f"{len(unknown)} of the --priority-keys are not among the API keys (--api-key).")
+        self._priority_names = frozenset(f"key-{i}" for i, k in enumerate(unique) if k in wanted)
+
+    def honours_priority(self, name: str) -> bool:
+        """Whether requests from the key named `name` (from `identify`) may set `priority`."""
+        return name in self._priority_names
 
     @property
     def enabled(self) -> bool:
@@ -140,3 +152,53 @@ class RateLimiter:
             headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, int(bucket.level)))
             headers[f"x-ratelimit-reset-{kind}"] = f"{bucket.reset_in():.3f}s"
         return headers
+
+
+class LoginThrottle:
+    """After `max_failures` failed logins (401s) from one client address within `window_s`, that
+    address is answered 429 with Retry-After until the oldest of them leaves the window. It refuses
+    every request from a throttled address, a correct key included: one that let correct keys through
+    would still tell a guesser which key is right, and so would slow no one down. The price is that
+    clients sharing an address (NAT, a reverse proxy) share its throttle."""
+
+    MAX_TRACKED = 10_000  # addresses; beyond this, addresses with no recent failure are forgotten
+
+    def __init__(self, max_failures: int = 10, window_s: float = 60.0) -> None:
+        if max_failures < 1:
+            raise ValueError(f"max_failures must be >= 1, got {max_failures}.")
+        self.max_failures, self.window_s = max_failures, window_s
+        self._failures: dict[str, deque[float]] = {}
+
+    def _recent(self, address: str, now: float) -> deque[float] | None:
+        times = self._failures.get(address)
+        if times is None:
+            return None
+        while times and times[0] <= now - self.window_s:
+            times.popleft()
+        if not times:
+            del self._failures[address]
+            return None
+        return times
+
+    def check(self, address: str) -> None:
+        """Raise a 429 APIError with Retry-After if `address` has failed too often lately."""
+        now = time.monotonic()
+        times = self._recent(address, now)
+        if times is not None and len(times) >= self.max_failures:
+            wait = times[0] + self.window_s - now
+            raise APIError(
+                429,
+                f"too many failed logins from this address; retry in {wait:.0f} s.",
+                "too_many_failed_logins",
+                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            )
+
+    def failed(self, address: str) -> None:
+        now = time.monotonic()
+        if len(self._failures) >= self.MAX_TRACKED:
+            for stale in [a for a, t in self._failures.items() if not t or t[-1] <= now - self.window_s]:
+                del self._failures[stale]
+        times = self._recent(address, now)
+        if times is None:
+            times = self._failures[address] = deque(maxlen=self.max_failures)
+        times.append(now)

@@ -144,9 +144,22 @@ def admit(state: ServerState, key: str, prepared: list[PreparedRequest], arrival
     new_tokens = sum(len(p.children) * len(p.prompt_token_ids) for p in prepared)
     waiting_reqs, waiting_tokens = state.engine.waiting_load()
     cfg = state.config
-    if waiting_reqs and (
-        waiting_reqs + new_reqs > cfg.max_waiting_requests or waiting_tokens + new_tokens > cfg.max_waiting_tokens
+    # The bound holds for a request arriving at an empty queue too, else one request with many
+    # prompts x n could fill it alone. One that could never fit gets 400, not 429: retrying cannot
+    # help it, and OpenAI's clients retry 429s by themselves (as the rate limits' "request too
+    # large" is a 400 too).
+    for count, bound, what in (
+        (new_reqs, cfg.max_waiting_requests, "sequences (prompts x n)"),
+        (new_tokens, cfg.max_waiting_tokens, "prompt tokens (x n)"),
     ):
+        if count > bound:
+            raise APIError(
+                400,
+                f"this request queues {count} {what}; this server queues at most {bound}. "
+                "Send fewer prompts, a smaller n, or split the request.",
+                "request_exceeds_queue_limit",
+            )
+    if waiting_reqs + new_reqs > cfg.max_waiting_requests or waiting_tokens + new_tokens > cfg.max_waiting_tokens:
         raise APIError(
             429,
             f"the server is at capacity ({waiting_reqs} requests waiting); retry shortly.",
