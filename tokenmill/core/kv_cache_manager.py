@@ -18,6 +18,13 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+def salt_extra_key(cache_salt: str | None) -> bytes:
+    """The first block's extra hash key for a request's cache salt (b"" without one, as before salts)."""
+    if cache_salt is None:
+        return b""
+    return b"salt\0" + cache_salt.encode("utf-8", "surrogatepass")
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if block_size < 1:
@@ -49,7 +56,8 @@ class KVCacheManager:
             bs = self.block_size
             for i in range(len(hashes), num_full):
                 parent = hashes[i - 1] if i else None
-                hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
+                extra = salt_extra_key(request.cache_salt) if i == 0 else b""
+                hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:

@@ -36,6 +36,9 @@ class Request:
     # For n > 1: the sibling that computes the shared prompt first; this one waits for it so that
     # it finds the prompt's blocks in the prefix cache instead of computing them again.
     prefill_leader: Request | None = None
+    # Mixed into the hash of the first block (later blocks chain from it): requests with different
+    # salts never share prefix-cache blocks, those with the same salt do. None: no salt.
+    cache_salt: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

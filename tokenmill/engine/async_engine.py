@@ -153,9 +153,10 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int = 0,
         prompt_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> PreparedRequest:
         """Tokenize and validate; raises ValueError with a message for the user."""
-        return self.inputs.process(request_id, prompt, params, priority, prompt_token_ids)
+        return self.inputs.process(request_id, prompt, params, priority, prompt_token_ids, cache_salt)
 
     def add(self, prepared: PreparedRequest, arrival_time: float | None = None) -> RequestStream:
         """Queue a prepared request; its outputs arrive on the returned stream."""

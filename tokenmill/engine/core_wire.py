@@ -80,11 +80,12 @@ def _encode_request(r: Request) -> Fields:
         r.priority,
         r.arrival_time,
         leader,
+        r.cache_salt,
     ]
 
 
 def _decode_request(fields: Fields, siblings: dict[str, Request]) -> Request:
-    req_id, ids, params, eos, priority, arrival, leader = fields
+    req_id, ids, params, eos, priority, arrival, leader, cache_salt = fields
     return Request(
         req_id,
         ids,
@@ -93,6 +94,7 @@ def _decode_request(fields: Fields, siblings: dict[str, Request]) -> Request:
         priority,
         arrival,
         prefill_leader=siblings.get(leader) if leader is not None else None,
+        cache_salt=cache_salt,
     )
 
 

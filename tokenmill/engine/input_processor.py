@@ -26,6 +26,12 @@ class PreparedRequest:
     children: list[Request]
 
 
+def check_cache_salt(cache_salt: object) -> None:
+    """A cache salt is a non-empty string, or None (as vLLM: an empty one is an error, not "no salt")."""
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError("cache_salt must be a non-empty string if given.")
+
+
 class InputProcessor:
     def __init__(
         self,
@@ -82,9 +88,14 @@ class InputProcessor:
         params: SamplingParams,
         priority: int = 0,
         prompt_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> PreparedRequest:
         """Validate everything before anything is queued: a bad request raises ValueError and
-        leaves the engine untouched."""
+        leaves the engine untouched. `cache_salt` keeps the request's prefix-cache blocks apart from
+        those of requests with another salt (or none); a dict prompt may carry its own "cache_salt"."""
+        if cache_salt is None and isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")
+        check_cache_salt(cache_salt)
         if prompt_token_ids is None:
             text, ids = self.tokenize(prompt)
         else:
@@ -97,20 +108,30 @@ class InputProcessor:
             params = dataclasses.replace(params, max_tokens=max(1, max_len - len(ids)))
         assert params.max_tokens is not None
         self.limits.check(len(ids), params.max_tokens)
-        children = self._fan_out(request_id, ids, params, priority)
+        children = self._fan_out(request_id, ids, params, priority, cache_salt)
         return PreparedRequest(request_id, text, ids, params, children)
 
-    def _fan_out(self, request_id: str, ids: list[int], params: SamplingParams, priority: int) -> list[Request]:
+    def _fan_out(
+        self, request_id: str, ids: list[int], params: SamplingParams, priority: int, cache_salt: str | None = None
+    ) -> list[Request]:
         """n samples of one prompt become n core requests; the siblings wait for the first to compute
         the prompt, then reuse its KV blocks through the prefix cache."""
         if params.n == 1:
-            return [Request(request_id, ids, params, self.eos_token_ids, priority)]
+            return [Request(request_id, ids, params, self.eos_token_ids, priority, cache_salt=cache_salt)]
         children: list[Request] = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             child_params = dataclasses.replace(params, n=1, seed=seed)
             leader = children[0] if children else None
             children.append(
-                Request(f"{request_id}#{i}", ids, child_params, self.eos_token_ids, priority, prefill_leader=leader)
+                Request(
+                    f"{request_id}#{i}",
+                    ids,
+                    child_params,
+                    self.eos_token_ids,
+                    priority,
+                    prefill_leader=leader,
+                    cache_salt=cache_salt,
+                )
             )
         return children

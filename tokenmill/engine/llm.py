@@ -64,14 +64,17 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}); outputs come
-        back in prompt order. Every prompt is validated before any is queued."""
+        back in prompt order. Every prompt is validated before any is queued. `cache_salt` (for every
+        prompt; a dict prompt's own "cache_salt" otherwise) keeps their prefix-cache blocks apart from
+        other salts'."""
         prompt_list = _as_prompt_list(prompts)
         params = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompt_list), "sampling_params")
         priorities = _broadcast(list(priority) if priority is not None else 0, len(prompt_list), "priority")
         prepared = [
-            self.inputs.process(str(next(self._ids)), p, sp, prio)
+            self.inputs.process(str(next(self._ids)), p, sp, prio, cache_salt=cache_salt)
             for p, sp, prio in zip(prompt_list, params, priorities)
         ]
         return self._run(prepared, use_tqdm)
@@ -83,6 +86,7 @@ class LLM:
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -90,17 +94,22 @@ class LLM:
             {"prompt_token_ids": self.inputs.apply_chat_template(conv, add_generation_prompt)}  # type: ignore[arg-type]
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
 
     def stream(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None, *, chat: bool = False
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        cache_salt: str | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that changed it (`delta_text` holds the new
         text); with chat=True the prompt is a list of messages."""
         params = sampling_params or self.get_default_sampling_params()
         if chat:
             prompt = {"prompt_token_ids": self.inputs.apply_chat_template(prompt)}  # type: ignore[arg-type]
-        yield from self._iterate([self.inputs.process(str(next(self._ids)), prompt, params)])
+        yield from self._iterate([self.inputs.process(str(next(self._ids)), prompt, params, cache_salt=cache_salt)])
 
     # ------------------------------------------------------------------ the step loop
     def _run(self, prepared: list[PreparedRequest], use_tqdm: bool) -> list[RequestOutput]:

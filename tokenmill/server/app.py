@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tokenmill
+from tokenmill.server.audit import AuditLog, AuditMiddleware
 from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
 from tokenmill.server.config import ServerState
@@ -68,6 +69,8 @@ def build_app(state: ServerState) -> FastAPI:
             task.cancel()
             state.engine.abort_all()
             await asyncio.to_thread(state.engine.shutdown)
+            if audit is not None:
+                await asyncio.to_thread(audit.close)  # writes every line still queued
 
     app = FastAPI(
         title="tokenmill",
@@ -76,6 +79,8 @@ def build_app(state: ServerState) -> FastAPI:
         description="An OpenAI-compatible server for the tokenmill engine.",
     )
     app.state.server = state
+    audit = AuditLog(state.config.audit_log, state.config.audit_log_content) if state.config.audit_log else None
+    app.state.audit = audit
     install_error_handlers(app)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: _SSE})
@@ -124,6 +129,8 @@ def build_app(state: ServerState) -> FastAPI:
     public = _PUBLIC_PATHS | {"/metrics"} if state.config.metrics_public else _PUBLIC_PATHS
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes)  # type: ignore[arg-type]
     app.add_middleware(AuthMiddleware, state=state, public_paths=public)  # type: ignore[arg-type]
+    if audit is not None:  # outside auth and the body limit, so that their 401s, 429s and 413s are written too
+        app.add_middleware(AuditMiddleware, audit=audit, model_name=state.model_name)  # type: ignore[arg-type]
     if state.config.allowed_origins:  # outside auth: preflights carry no key, and 401s need CORS headers
         app.add_middleware(
             CORSMiddleware,  # type: ignore[arg-type]

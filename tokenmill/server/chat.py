@@ -46,8 +46,9 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_request") from exc
     request_id = new_id("chatcmpl")
-    prepared = serving.prepare(state, request_id, None, ids, params, state.priority(key, body.priority))
-    job = serving.admit(state, key, [prepared], arrival)
+    priority, salt = state.priority(key, body.priority), state.cache_salt(key, body.cache_salt)
+    prepared = serving.prepare(state, request_id, None, ids, params, priority, salt)
+    job = serving.admit(state, key, [prepared], arrival, body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return serving.JobStreamingResponse(state, job, _stream(state, body, job, request_id, include_usage))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from tokenmill.server.config import API_KEY_ENV, ServerConfig
+from tokenmill.server.config import API_KEY_ENV, PREFIX_CACHE_ISOLATION, ServerConfig
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -88,6 +88,20 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="on SIGTERM, seconds in-flight requests get to finish before they are aborted",
     )
     server.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may take from arrival to its last token; past it, it is aborted with a 504 "
+        "(streams: an error event). Requests may ask for less (request_timeout), never more. Default: none",
+    )
+    server.add_argument(
+        "--max-queue-time",
+        type=float,
+        default=None,
+        help="seconds a request may wait for its first output (its first scheduled step's result); past it, "
+        "it is aborted with a 504. Requests may ask for less (max_queue_time), never more. Default: none",
+    )
+    server.add_argument(
         "--engine-stall-timeout",
         type=float,
         default=d.engine_stall_timeout_s,
@@ -117,6 +131,26 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         type=int,
         default=d.max_failed_logins,
         help="failed logins (401s) per minute from one address before it is answered 429 for the rest of the minute",
+    )
+    server.add_argument(
+        "--audit-log",
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per finished completion/chat request (time, key hash, client, route, "
+        "model, status, tokens, latency, finish reason) to FILE",
+    )
+    server.add_argument(
+        "--audit-log-content",
+        action="store_true",
+        help="also write each request's prompt and output to the audit log (off by default: they may be sensitive)",
+    )
+    server.add_argument(
+        "--prefix-cache-isolation",
+        choices=PREFIX_CACHE_ISOLATION,
+        default=d.prefix_cache_isolation,
+        help="shared: one prefix cache for every API key (a request's cache_salt still keeps it apart); "
+        "per-key: salt every request with its API key, so that no key can hit, or time, another key's cached "
+        "prompts (default: shared)",
     )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=cmd_serve)
@@ -154,10 +188,15 @@ def _server_config(args: argparse.Namespace, hosts: tuple[str, ...], origins: tu
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
         engine_stall_timeout_s=args.engine_stall_timeout,
+        request_timeout_s=args.request_timeout,
+        max_queue_time_s=args.max_queue_time,
         metrics_public=args.metrics_public,
         priority_keys=tuple(k for arg in args.priority_keys for k in arg.split(",") if k.strip()),
         max_failed_logins=args.max_failed_logins,
+        prefix_cache_isolation=args.prefix_cache_isolation,
         engine_in_thread=args.engine_in_thread,
+        audit_log=args.audit_log,
+        audit_log_content=args.audit_log_content,
     )
 
 

@@ -55,10 +55,9 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
             params = serving.sampling_params(body, max_tokens, body.logprobs, prompt_lps, state.sampling_defaults)
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request") from exc
-        prepared.append(
-            serving.prepare(state, f"{request_id}-{i}", text, ids, params, state.priority(key, body.priority))
-        )
-    job = serving.admit(state, key, prepared, arrival)
+        priority, salt = state.priority(key, body.priority), state.cache_salt(key, body.cache_salt)
+        prepared.append(serving.prepare(state, f"{request_id}-{i}", text, ids, params, priority, salt))
+    job = serving.admit(state, key, prepared, arrival, body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return serving.JobStreamingResponse(state, job, _stream(state, body, job, request_id, include_usage))

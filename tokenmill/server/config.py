@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -11,6 +13,7 @@ from tokenmill.server.errors import APIError
 from tokenmill.server.security import ApiKeys, LoginThrottle, RateLimiter
 
 API_KEY_ENV = "TOKENMILL_API_KEY"  # one key, or several separated by commas
+PREFIX_CACHE_ISOLATION = ("shared", "per-key")
 
 
 @dataclass(frozen=True)
@@ -36,14 +39,26 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     engine_stall_timeout_s: float = 300.0  # in-flight requests and no engine report this long fail /health
+    request_timeout_s: float | None = None  # a request still running this long after arrival ends with a 504
+    max_queue_time_s: float | None = None  # a request with no output yet this long after arrival ends with a 504
     engine_in_thread: bool = False  # run the engine core on a thread of the server process, not its own
     metrics_public: bool = False  # once API keys are set, /metrics needs one too unless this
     priority_keys: tuple[str, ...] = ()  # only these API keys' `priority` counts; others' count as 0
+    # "shared": one prefix cache for all (a request's cache_salt still separates it); "per-key": every
+    # request is salted with its API key, so no key's prompts hit (or reveal) another key's cache
+    prefix_cache_isolation: str = "shared"
     max_failed_logins: int = 10  # 401s from one address per minute before it is answered 429
+    audit_log: str | None = None  # a JSON line per finished completion/chat request is appended here
+    audit_log_content: bool = False  # the audit lines carry prompts and outputs too
 
     def __post_init__(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both, or neither")
+        if self.prefix_cache_isolation not in PREFIX_CACHE_ISOLATION:
+            raise ValueError(f"--prefix-cache-isolation must be one of {', '.join(PREFIX_CACHE_ISOLATION)}")
+        for name, value in (("--request-timeout", self.request_timeout_s), ("--max-queue-time", self.max_queue_time_s)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds")
 
     @property
     def tls(self) -> bool:
@@ -84,6 +99,13 @@ class ServerState:
         """A request's scheduling priority: what it asked for if its key is one of --priority-keys,
         else 0 (without API keys, every request's is 0), so that no client can jump the queue."""
         return requested if self.keys.honours_priority(key) else 0
+
+    def cache_salt(self, key: str, requested: str | None) -> str | None:
+        """A request's prefix-cache salt: its own cache_salt, or with --prefix-cache-isolation per-key a
+        hash of its key (and of its own salt, if any), so that no two keys ever share cached blocks."""
+        if self.config.prefix_cache_isolation != "per-key":
+            return requested
+        return "key:" + hashlib.sha256(json.dumps([key, requested]).encode()).hexdigest()
 
     @property
     def max_tokens(self) -> int:

@@ -28,6 +28,7 @@ _TYPES = {
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable_error",
+    504: "timeout",  # a request past its deadline (--request-timeout, --max-queue-time)
 }
 
 

@@ -4,7 +4,7 @@ Requests are validated strictly (a string is not an integer) and the schema stat
 server checks on its own, so a body the schema allows is one the server can run. Unknown fields are
 ignored, as OpenAI's own API does. Extensions beyond OpenAI's fields follow vLLM: `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `priority`, `stop_token_ids`,
-`skip_special_tokens`, `include_stop_str_in_output`.
+`skip_special_tokens`, `include_stop_str_in_output`, `cache_salt`.
 
 Sampling fields a request leaves out (None here) take the model's defaults from its
 generation_config.json (see `--generation-config`), then OpenAI's."""
@@ -49,6 +49,7 @@ MAX_STOP_STRINGS = 16
 
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 Bias = Annotated[float, Field(ge=-100, le=100)]
+Seconds = Annotated[float, Field(gt=0, le=1e7)]
 
 
 class _Strict(BaseModel):
@@ -115,8 +116,21 @@ class _SamplingFields(_Strict):
     min_tokens: NonNegativeInt = 0
     ignore_eos: bool = False
     priority: Priority = Field(default=0, description="Lower runs first (with --scheduling-policy priority).")
+    # tokenmill extensions: deadlines, in seconds from arrival; above the server's limits they are clamped to them
+    request_timeout: Seconds | None = Field(
+        default=None, description="Seconds the whole request may take; past it, it ends with a 504 (type timeout)."
+    )
+    max_queue_time: Seconds | None = Field(
+        default=None, description="Seconds it may wait for its first output; past it, it ends with a 504."
+    )
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description="Prefix-cache namespace: only requests with the same salt share cached prompt blocks.",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -18,6 +18,7 @@ from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.input_processor import PreparedRequest
 from tokenmill.outputs import RequestOutput, TokenLogprobs
 from tokenmill.sampling_params import OPENAI_SAMPLING_DEFAULTS, SamplingParams, with_defaults
+from tokenmill.server.audit import attach_job
 from tokenmill.server.config import ServerState
 from tokenmill.server.errors import ENGINE_FAILED_MESSAGE, INTERNAL_ERROR_MESSAGE, APIError, sse_error
 from tokenmill.server.protocol import UsageInfo, _SamplingFields
@@ -106,9 +107,10 @@ def prepare(
     prompt_ids: list[int],
     params: SamplingParams,
     priority: int,
+    cache_salt: str | None = None,
 ) -> PreparedRequest:
     try:
-        return state.engine.prepare(request_id, prompt_text or prompt_ids, params, priority, prompt_ids)
+        return state.engine.prepare(request_id, prompt_text or prompt_ids, params, priority, prompt_ids, cache_salt)
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_request") from exc
 
@@ -123,6 +125,9 @@ class Job:
     streams: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
     outputs: dict[int, RequestOutput] = field(default_factory=dict)  # the latest, by prompt index
     closed: bool = False
+    deadline: float | None = None  # monotonic: past it, the request is aborted (504)
+    queue_deadline: float | None = None  # monotonic: past it with a prompt that has no output yet, the same
+    timed_out: str | None = None  # which deadline aborted it
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -137,7 +142,13 @@ class Job:
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def admit(state: ServerState, key: str, prepared: list[PreparedRequest], arrival_time: float) -> Job:
+def admit(
+    state: ServerState,
+    key: str,
+    prepared: list[PreparedRequest],
+    arrival_time: float,
+    deadlines: _SamplingFields | None = None,
+) -> Job:
     """Bound the waiting queue, charge the key's rate limits (429 when either is full), then queue
     the requests in the engine at once, so the next admission sees them. Call `close` when done."""
     new_reqs = sum(len(p.children) for p in prepared)
@@ -168,12 +179,24 @@ def admit(state: ServerState, key: str, prepared: list[PreparedRequest], arrival
         )
     reserved = sum(len(p.children) * (len(p.prompt_token_ids) + (p.params.max_tokens or 0)) for p in prepared)
     job = Job(prepared, state.limiter.acquire(key, reserved), arrival_time)
+    cfg_timeout, cfg_queue = cfg.request_timeout_s, cfg.max_queue_time_s
+    timeout = _tighter(cfg_timeout, deadlines.request_timeout if deadlines else None)
+    queue_time = _tighter(cfg_queue, deadlines.max_queue_time if deadlines else None)
+    job.deadline = None if timeout is None else arrival_time + timeout
+    job.queue_deadline = None if queue_time is None else arrival_time + queue_time
     try:
         job.streams = [state.engine.generate(p, arrival_time) for p in prepared]
     except EngineDeadError as exc:
         close(state, job)
         raise APIError(503, "the engine has stopped; the server must be restarted.", "engine_dead") from exc
     return job
+
+
+def _tighter(server: float | None, requested: float | None) -> float | None:
+    """A request's own deadline, clamped to the server's: it may ask for less time, never more."""
+    if server is None or requested is None:
+        return requested if server is None else server
+    return min(server, requested)
 
 
 def close(state: ServerState, job: Job) -> None:
@@ -189,13 +212,49 @@ def close(state: ServerState, job: Job) -> None:
 
 async def run_job(state: ServerState, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Every prompt's outputs, as (prompt index, output), merged as they come. Closing it aborts
-    what has not finished; an engine failure raises APIError(500)."""
-    async for index, output in _merge(job.streams):
-        if output.error is not None:
-            logger.error("request %s failed: %s", output.request_id, output.error)
-            raise APIError(500, ENGINE_FAILED_MESSAGE, "engine_error")
-        job.outputs[index] = output
-        yield index, output
+    what has not finished; an engine failure raises APIError(500). Past a deadline the job's requests
+    are aborted: their last outputs (finish_reason "abort") come, then APIError(504)."""
+    watchdog = asyncio.ensure_future(_watch_deadlines(state, job)) if job.deadline or job.queue_deadline else None
+    try:
+        async for index, output in _merge(job.streams):
+            if output.error is not None:
+                logger.error("request %s failed: %s", output.request_id, output.error)
+                raise APIError(500, ENGINE_FAILED_MESSAGE, "engine_error")
+            job.outputs[index] = output
+            yield index, output
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+    aborted = any(o.finish_reason == "abort" for out in job.outputs.values() for o in out.outputs)
+    if job.timed_out is not None and aborted:
+        what = "its first output" if job.timed_out == "queue" else "its last token"
+        raise APIError(
+            504,
+            f"the request timed out: it waited too long for {what}; retry, or ask for less.",
+            job.timed_out + "_timeout",
+        )
+
+
+async def _watch_deadlines(state: ServerState, job: Job) -> None:
+    """Abort the job's requests (as a client disconnect does) once one of its deadlines passes: the
+    whole request's, or the queue's while a prompt has had no output (no step has scheduled it)."""
+    while True:
+        now = monotonic()
+        queue_deadline = job.queue_deadline if len(job.outputs) < len(job.prepared) else None
+        if job.deadline is not None and now >= job.deadline:
+            job.timed_out = "request"
+        elif queue_deadline is not None and now >= queue_deadline:
+            job.timed_out = "queue"
+        else:
+            due = [d for d in (job.deadline, queue_deadline) if d is not None]
+            if not due:
+                return
+            await asyncio.sleep(min(due) - now)
+            continue
+        logger.info("request %s timed out (%s deadline)", job.prepared[0].request_id, job.timed_out)
+        for p in job.prepared:
+            state.engine.abort(p.request_id)  # its last output ("abort") ends its stream; blocks are freed
+        return
 
 
 async def _merge(its: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
@@ -296,6 +355,7 @@ class JobStreamingResponse(StreamingResponse):
         self.state, self.job = state, job
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        attach_job(scope, self.job)
         try:
             await super().__call__(scope, receive, send)
         finally:
@@ -304,6 +364,7 @@ class JobStreamingResponse(StreamingResponse):
 
 async def finish(state: ServerState, job: Job, request: Request) -> None:
     """Run an unstreamed job to its end; a client that disconnects first aborts it."""
+    attach_job(request.scope, job)
     try:
         await until_disconnect(request, _drain(state, job))
     finally:

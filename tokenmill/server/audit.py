@@ -1,0 +1,182 @@
+"""`--audit-log FILE`: one JSON line per finished completion or chat request, errors and aborts included.
+
+    {"time": "2026-11-25T21:30:00.123+00:00", "key": "9f86d081884c", "client": "127.0.0.1",
+     "route": "/v1/chat/completions", "model": "tiny-chat", "status": 200, "prompt_tokens": 12,
+     "output_tokens": 8, "latency_s": 0.412, "finish_reason": "stop"}
+
+`key` is the first 12 hex digits of the SHA-256 of the bearer token ("-" without one), never the
+token itself. Prompts and outputs (`"prompt"`, `"output"`) are written only with
+--audit-log-content. The middleware only times the request and takes note of what the routes hand
+over (the job, via the scope); the JSON is built and written on a writer thread (a QueueListener),
+so a slow disk never blocks the event loop, and every queued line is written before `close` returns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import time
+from datetime import datetime, timezone
+from logging.handlers import QueueListener
+from typing import TYPE_CHECKING, Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from tokenmill.server.serving import Job
+
+AUDITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+SCOPE_KEY = "tokenmill_audit"  # the request's AuditRecord, for the routes to fill in
+KEY_HASH_CHARS = 12
+
+
+def key_id(authorization: str | None) -> str:
+    """A short, stable id for the bearer token in an Authorization header; "-" without one."""
+    scheme, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return "-"
+    return hashlib.sha256(token.encode()).hexdigest()[:KEY_HASH_CHARS]
+
+
+class AuditRecord:
+    """What one request's line is made of; the routes attach their job with `attach_job`."""
+
+    __slots__ = ("body", "job")
+
+    def __init__(self) -> None:
+        self.job: Job | None = None
+        self.body: list[bytes] = []
+
+
+def attach_job(scope: Scope, job: Job) -> None:
+    """Hand a request's job to the audit middleware (a no-op without --audit-log)."""
+    record = scope.get(SCOPE_KEY)
+    if record is not None:
+        record.job = job
+
+
+def job_fields(job: Job, content: bool) -> dict[str, Any]:
+    """Token counts, finish reason (and with `content`, the outputs) of a job, however it ended."""
+    outputs = [o for out in job.outputs.values() for o in out.outputs]
+    expected = sum(p.params.n for p in job.prepared)
+    reasons = {o.finish_reason for o in outputs if o.finish_reason is not None}
+    if len(reasons) == 0 or len(outputs) < expected or any(o.finish_reason is None for o in outputs):
+        reasons.add("abort")  # cut short: a client gone, an error
+    fields: dict[str, Any] = {
+        "prompt_tokens": job.num_prompt_tokens,
+        "output_tokens": job.num_generated_tokens,
+        "finish_reason": ",".join(sorted(reasons)),  # one reason per kind, e.g. "length" or "length,stop"
+    }
+    if content:
+        fields["output"] = [o.text for o in outputs]
+    return fields
+
+
+class _JsonLineHandler(logging.FileHandler):
+    """Appends each record's dict as one JSON line (on the listener's thread); flushes every line."""
+
+    def __init__(self, path: str, content: bool) -> None:
+        super().__init__(path, mode="a", encoding="utf-8", delay=False)
+        self.content = content
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = dict(record.audit)  # type: ignore[attr-defined]
+        body: bytes = record.body  # type: ignore[attr-defined]
+        parsed = _parse(body)
+        if entry.get("model") is None:
+            model = parsed.get("model")
+            entry["model"] = model if isinstance(model, str) else None
+        if self.content:
+            entry["prompt"] = parsed.get("messages", parsed.get("prompt"))
+            entry.setdefault("output", None)
+        return json.dumps(entry, ensure_ascii=False, separators=(",", ":"))
+
+
+def _parse(body: bytes) -> dict[str, Any]:
+    try:
+        parsed = json.loads(body) if body else {}
+    except (ValueError, RecursionError):
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+class AuditLog:
+    """The audit file: `write` queues a line (never blocks); `close` writes what is queued and closes it."""
+
+    def __init__(self, path: str, content: bool = False) -> None:
+        self.path, self.content = path, content
+        self._handler = _JsonLineHandler(path, content)
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._listener = QueueListener(self._queue, self._handler)
+        self._listener.start()
+        self._closed = False
+
+    def write(self, fields: dict[str, Any], body: bytes = b"") -> None:
+        record = logging.makeLogRecord({"msg": "", "audit": fields, "body": body})
+        if self._closed:  # a request that ended after shutdown: write it here rather than lose it
+            self._handler.handle(record)
+        else:
+            self._queue.put_nowait(record)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._listener.stop()  # writes everything queued before it returns
+        self._handler.close()
+
+
+class AuditMiddleware:
+    """Times each completion and chat request and writes its line once its response has ended."""
+
+    def __init__(self, app: ASGIApp, audit: AuditLog, model_name: str) -> None:
+        self.app, self.audit, self.model_name = app, audit, model_name
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in AUDITED_PATHS:
+            return await self.app(scope, receive, send)
+        start = time.monotonic()
+        record = AuditRecord()
+        scope[SCOPE_KEY] = record
+        status: int | None = None
+
+        async def audited_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                record.body.append(message.get("body", b""))
+            return message
+
+        async def audited_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, audited_receive, audited_send)
+        except BaseException:
+            status = status or 500  # the error handler outside answers 500 (or the client is gone)
+            raise
+        finally:
+            self._write(scope, record, status, time.monotonic() - start)
+
+    def _write(self, scope: Scope, record: AuditRecord, status: int | None, latency: float) -> None:
+        auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        fields: dict[str, Any] = {
+            "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+            "key": key_id(auth),
+            "client": scope["client"][0] if scope.get("client") else None,
+            "route": scope["path"],
+            "model": self.model_name if record.job is not None else None,  # else the body's, if any
+            "status": status if status is not None else 499,  # no response at all: the client left
+            "prompt_tokens": None,
+            "output_tokens": None,
+            "latency_s": round(latency, 6),
+            "finish_reason": None,
+        }
+        if record.job is not None:
+            fields.update(job_fields(record.job, self.audit.content))
+        self.audit.write(fields, b"".join(record.body))
