@@ -11,6 +11,7 @@ until a later token completes it.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import cast
 
 from transformers import PreTrainedTokenizerBase
@@ -21,6 +22,24 @@ _PROMPT_CONTEXT_TOKENS = 5
 # bytes: they are released as they decode, which keeps every step's window this short.
 _MAX_HELD_TOKENS = 8
 _REPLACEMENT_CHAR = "\ufffd"
+
+
+@lru_cache(maxsize=1024)
+def _stop_failure(stop: str) -> tuple[int, ...]:
+    """KMP failure table: entry n is the longest proper suffix of stop[:n] that is a prefix of stop.
+
+    Built once per stop string (O(len(stop))) and shared by every sequence that uses it, so each
+    step's stop check costs O(characters appended x stops), amortized, whatever the stops' lengths.
+    """
+    failure = [0] * (len(stop) + 1)
+    k = 0
+    for n in range(1, len(stop)):
+        while k and stop[n] != stop[k]:
+            k = failure[k]
+        if stop[n] == stop[k]:
+            k += 1
+        failure[n + 1] = k
+    return tuple(failure)
 
 
 class IncrementalDetokenizer:
@@ -48,6 +67,9 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stop = list(stop)
+        self._failure = [_stop_failure(s) for s in self._stop]
+        # Per stop string: length of the longest end of output_text that is a start of it (KMP state).
+        self._matched = [0] * len(self._stop)
         self._include_stop = include_stop_str_in_output
         self.output_text = ""
         self.stop_str: str | None = None
@@ -111,25 +133,30 @@ class IncrementalDetokenizer:
         """Appends text and looks for stop strings that end inside it; cuts at the earliest one."""
         old_len = len(self.output_text)
         self.output_text += new_text
-        matches = []
-        for stop in self._stop:
-            # A new match ends in the new text, so it starts at most len(stop) - 1 characters before.
-            index = self.output_text.find(stop, max(0, old_len - len(stop) + 1))
-            if index != -1:
-                matches.append((index, stop))
-        if not matches:
+        best: tuple[int, str] | None = None
+        for i, stop in enumerate(self._stop):
+            # Feed only the new characters to this stop's matcher: a new match ends in the new text.
+            failure, k = self._failure[i], self._matched[i]
+            for pos, char in enumerate(new_text, old_len):
+                while k and char != stop[k]:
+                    k = failure[k]
+                if char == stop[k]:
+                    k += 1
+                    if k == len(stop):
+                        # First match of this stop; the earliest start wins, ties by list order.
+                        index = pos + 1 - k
+                        if best is None or index < best[0]:
+                            best = (index, stop)
+                        break
+            self._matched[i] = k
+        if best is None:
             return None
-        index, stop = min(matches, key=lambda match: match[0])
+        index, stop = best
         self.output_text = self.output_text[: index + len(stop) if self._include_stop else index]
         self.stop_str = stop
         return stop
 
     def _partial_stop_len(self) -> int:
         """Length of the longest end of output_text that is the start of some stop string."""
-        longest = 0
-        for stop in self._stop:
-            for n in range(min(len(stop) - 1, len(self.output_text)), longest, -1):
-                if self.output_text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
+        # With no match yet, every matcher state is shorter than its stop string.
+        return max(self._matched, default=0)

@@ -37,6 +37,7 @@ from tokenmill.server.protocol import (
     ModelCard,
     ModelList,
 )
+from tokenmill.server.read_deadline import ReadDeadlineMiddleware
 from tokenmill.server.security import ANONYMOUS
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (400, "Invalid request"),
         (401, "Missing or wrong API key"),
         (404, "Unknown model"),
+        (408, "Body not received in time"),
         (413, "Body too large"),
         (429, "Rate limit or full queue (see Retry-After)"),
         (500, "Engine failure"),
@@ -128,6 +130,8 @@ def build_app(state: ServerState) -> FastAPI:
     # The last added runs first: keys are checked before any body is read.
     public = _PUBLIC_PATHS | {"/metrics"} if state.config.metrics_public else _PUBLIC_PATHS
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes)  # type: ignore[arg-type]
+    if state.config.body_read_timeout_s is not None:  # bounds the body limit's read of the body
+        app.add_middleware(ReadDeadlineMiddleware, timeout_s=state.config.body_read_timeout_s)  # type: ignore[arg-type]
     app.add_middleware(AuthMiddleware, state=state, public_paths=public)  # type: ignore[arg-type]
     if audit is not None:  # outside auth and the body limit, so that their 401s, 429s and 413s are written too
         app.add_middleware(AuditMiddleware, audit=audit, model_name=state.model_name)  # type: ignore[arg-type]

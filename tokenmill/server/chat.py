@@ -31,6 +31,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     state.check_model(body.model)
     state.check_accepting()
     serving.check_n(state, body.n)
+    serving.check_logit_bias(state, body.logit_bias)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
         ids = chat_prompt_token_ids(state.engine.tokenizer, messages, body.add_generation_prompt)

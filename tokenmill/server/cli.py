@@ -78,6 +78,28 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     server.add_argument("--max-waiting-tokens", type=int, default=d.max_waiting_tokens)
     server.add_argument("--max-n", type=int, default=d.max_n)
+    server.add_argument(
+        "--max-logit-bias",
+        type=int,
+        default=d.max_logit_bias,
+        metavar="N",
+        help=f"most logit_bias entries one request may give; more get 400 (default {d.max_logit_bias}, as OpenAI)",
+    )
+    server.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=None,
+        metavar="N",
+        help="beyond N open connections/tasks, answer 503 at once (uvicorn's limit_concurrency; default: none)",
+    )
+    server.add_argument(
+        "--body-read-timeout",
+        type=float,
+        default=d.body_read_timeout_s,
+        metavar="SECONDS",
+        help="a request's body must arrive within this many seconds of its headers, else 408 "
+        f"(against slow clients; default {d.body_read_timeout_s:g})",
+    )
     server.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted")
     server.add_argument("--max-prompt-tokens", type=int, default=None)
     server.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
@@ -183,6 +205,9 @@ def _server_config(args: argparse.Namespace, hosts: tuple[str, ...], origins: tu
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_tokens=args.max_waiting_tokens,
         max_n=args.max_n,
+        max_logit_bias=args.max_logit_bias,
+        limit_concurrency=args.limit_concurrency,
+        body_read_timeout_s=args.body_read_timeout,
         max_tokens=args.max_tokens_limit,
         max_prompt_tokens=args.max_prompt_tokens,
         max_body_bytes=args.max_body_bytes,

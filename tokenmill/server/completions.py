@@ -41,6 +41,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
         raise APIError(400, "suffix is not supported.", "unsupported_parameter", "suffix")
     prompts = _prompts(body)
     serving.check_n(state, body.n, len(prompts))
+    serving.check_logit_bias(state, body.logit_bias)
     request_id = new_id("cmpl")
     prepared = []
     for i, prompt in enumerate(prompts):

@@ -33,6 +33,7 @@ class ServerConfig:
     max_waiting_requests: int = 256  # beyond this the server answers 429 at once
     max_waiting_tokens: int = 1 << 20
     max_n: int = 16
+    max_logit_bias: int = 300  # logit_bias entries per request (OpenAI's cap too)
     max_tokens: int | None = None  # cap on max_tokens; None: max_model_len
     max_prompt_tokens: int | None = None  # None: max_model_len - 1
     max_prompts_per_request: int = 64  # completions with a list of prompts
@@ -50,15 +51,25 @@ class ServerConfig:
     max_failed_logins: int = 10  # 401s from one address per minute before it is answered 429
     audit_log: str | None = None  # a JSON line per finished completion/chat request is appended here
     audit_log_content: bool = False  # the audit lines carry prompts and outputs too
+    limit_concurrency: int | None = None  # uvicorn answers 503 beyond this many open connections/tasks
+    body_read_timeout_s: float | None = 30.0  # a request's body must arrive within this, else 408; None: no limit
 
     def __post_init__(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both, or neither")
         if self.prefix_cache_isolation not in PREFIX_CACHE_ISOLATION:
             raise ValueError(f"--prefix-cache-isolation must be one of {', '.join(PREFIX_CACHE_ISOLATION)}")
-        for name, value in (("--request-timeout", self.request_timeout_s), ("--max-queue-time", self.max_queue_time_s)):
+        for name, value in (
+            ("--request-timeout", self.request_timeout_s),
+            ("--max-queue-time", self.max_queue_time_s),
+            ("--body-read-timeout", self.body_read_timeout_s),
+        ):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds")
+        if self.limit_concurrency is not None and self.limit_concurrency < 1:
+            raise ValueError("--limit-concurrency must be at least 1")
+        if self.max_logit_bias < 0:
+            raise ValueError("--max-logit-bias must not be negative")
 
     @property
     def tls(self) -> bool:

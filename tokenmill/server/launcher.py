@@ -91,6 +91,7 @@ def make_server(state: ServerState, log_level: str = "info") -> GracefulServer:
         ssl_keyfile=c.ssl_keyfile,
         ssl_ca_certs=c.ssl_ca_certs,
         ssl_cert_reqs=c.ssl_cert_reqs,
+        limit_concurrency=c.limit_concurrency,
     )
     return GracefulServer(config, state)
 

@@ -100,6 +100,17 @@ def check_n(state: ServerState, n: int, num_prompts: int = 1) -> None:
         )
 
 
+def check_logit_bias(state: ServerState, logit_bias: Mapping[Any, float] | None) -> None:
+    cap = state.config.max_logit_bias
+    if logit_bias and len(logit_bias) > cap:
+        raise APIError(
+            400,
+            f"logit_bias has {len(logit_bias)} entries; this server allows at most {cap}.",
+            "logit_bias_too_large",
+            "logit_bias",
+        )
+
+
 def prepare(
     state: ServerState,
     request_id: str,
