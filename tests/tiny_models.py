@@ -42,6 +42,35 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
+# Special tokens first, so their ids are TINY's: bos 1, eos 2.
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOKENIZER_CORPUS = [
+    'The capital of France is Paris. {"name": "Ada", "age": 36, "tags": ["a", "b"], "ok": true}',
+    "Hello world! red green blue, yes or no: 12345 + 678 = 13023. alice@example.com",
+] * 10
+
+
+def make_tiny_tokenizer(vocab_size: int = 300) -> Any:
+    """A byte-level BPE tokenizer (every byte is a token, so any text encodes) with TINY's bos and eos,
+    narrower than TINY's 512 logits: ids from `vocab_size` on exist only in the model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=TINY_SPECIAL_TOKENS,
+        show_progress=False,
+    )
+    tok.train_from_iterator(TOKENIZER_CORPUS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+
+
 def make_tiny_model(folder: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
     """overrides: config fields on top of the family's (head_dim=32, say)."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -11,14 +11,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
     from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
-    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
 
 _HOMES = {
     "LLM": "tokenmill.engine.llm",
     "SamplingParams": "tokenmill.sampling_params",
+    "StructuredOutputsParams": "tokenmill.sampling_params",
     "RequestOutput": "tokenmill.outputs",
     "CompletionOutput": "tokenmill.outputs",
     "Logprob": "tokenmill.outputs",

@@ -36,6 +36,40 @@ def with_defaults(
     return resolved
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Output constrained to a language, as vLLM names it: exactly one of a JSON schema (`json`, a dict
+    or its JSON text), any JSON object (`json_object`), a regular expression, a list of `choice`s, or a
+    grammar (Lark syntax, as llguidance reads it). Checked here for shape; whether the schema, regex or
+    grammar compiles is checked when the request is prepared (tokenmill.structured)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, json_object, regex, choice or grammar; "
+                f"got {', '.join(given) or 'none'}."
+            )
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, json_object, regex, choice or grammar."""
+        return (
+            "json_object"
+            if self.json_object
+            else next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None)
+        )
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.
@@ -65,6 +99,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -31,6 +31,22 @@ CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# ChatML with tools as Qwen2.5's template writes them (Hermes format): the tools in a system message, an
+# assistant's calls as <tool_call>{json}</tool_call>, tool results in <tool_response> blocks.
+HERMES_TOOLS_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\n# Tools\n<tools>' }}{%- for tool in tools %}{{ '\n' + (tool | tojson) }}"
+    '{%- endfor %}{{ \'\n</tools>\nCall one as <tool_call>{"name": ..., "arguments": ...}</tool_call>'
+    "<|im_end|>\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}{{ '<|im_start|>assistant\n' + message.content }}"
+    '{%- for call in message.tool_calls %}{{ \'<tool_call>\n{"name": "\' + call.function.name + '
+    "'\", \"arguments\": ' + (call.function.arguments | tojson) + '}\n</tool_call>' }}{%- endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- else %}{{ '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
+)
 CORPUS = [
     "The capital of France is Paris. The quick brown fox jumps over the lazy dog.",
     "Hello world! How are you today? I am a tiny model that says random things.",
@@ -39,8 +55,9 @@ CORPUS = [
 MODEL_NAME = "tiny-chat"
 
 
-def make_chat_model(folder: Path) -> Path:
-    """A tiny random llama (vocab 512) with a byte-level BPE tokenizer of the same size and ChatML."""
+def make_chat_model(folder: Path, chat_template: str = CHATML) -> Path:
+    """A tiny random llama (vocab 512) with a byte-level BPE tokenizer of the same size and ChatML (or
+    `chat_template`)."""
     make_tiny_model(folder, "llama")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -55,7 +72,7 @@ def make_chat_model(folder: Path) -> Path:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
-    fast.chat_template = CHATML
+    fast.chat_template = chat_template
     fast.save_pretrained(folder)
     return folder
 
@@ -72,6 +89,12 @@ def long_context_copy(model: Path, dest: Path) -> Path:
 @pytest.fixture(scope="session")
 def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="session")
+def tool_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny chat model with a template that writes tools and tool calls (HERMES_TOOLS_TEMPLATE)."""
+    return make_chat_model(tmp_path_factory.mktemp("tiny-tool-chat"), HERMES_TOOLS_TEMPLATE)
 
 
 def free_port() -> int:

@@ -1,5 +1,5 @@
-"""The engine core in its own process: the same answers as on a thread, and a process that dies ends
-every in-flight request with an error instead of a hang."""
+"""The engine core in its own process: the same answers as on a thread; a process that dies is
+replaced (requests under way end with an error, queued ones complete), unless restarts are spent."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import httpx
 
 from tests.server.conftest import RunningServer, run_server
 from tokenmill.engine.core_client import ProcessCoreClient
+from tokenmill.engine.restart_policy import RestartPolicy
+from tokenmill.server.config import ServerConfig
 
 
 def _greedy(server: RunningServer) -> list[Any]:
@@ -45,39 +47,65 @@ def test_process_and_thread_engines_answer_the_same(chat_model: Path, server: Ru
     assert from_process[0][0] == from_process[1][0]  # greedy: both samples alike
 
 
-def test_a_killed_engine_process_errors_in_flight_requests_and_fails_health(chat_model: Path) -> None:
-    with run_server(chat_model, engine_process=True) as server:
+def test_a_killed_engine_process_is_replaced_and_queued_requests_complete(chat_model: Path) -> None:
+    # One runs at a time: when the engine dies, the first stream is under way, the second still queued.
+    with run_server(chat_model, engine_process=True, max_num_seqs=1) as server:
         client_side = server.engine.client
         assert isinstance(client_side, ProcessCoreClient)
         environ = Path(f"/proc/{client_side.process.pid}/environ")
         if environ.exists() and "OMP_WAIT_POLICY" not in os.environ:  # its OpenMP workers sleep, not spin
             assert b"OMP_WAIT_POLICY=PASSIVE" in environ.read_bytes().split(b"\0")
             assert "OMP_WAIT_POLICY" not in os.environ  # and this process's environment is as it was
-        body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
-        killed: list[bool] = []
+        body = {"prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "stream": True}
+        health: list[tuple[int, str]] = []
 
-        async def stream() -> list[str]:
+        async def watch_health(client: httpx.AsyncClient) -> None:  # until it has failed, then recovered
+            while not any(status == 503 for status, _ in health) or health[-1][0] != 200:
+                r = await client.get("/health")
+                health.append((r.status_code, r.json().get("error", {}).get("code", "ok")))
+                await asyncio.sleep(0.05)
+
+        async def stream(client: httpx.AsyncClient, kill: bool) -> list[str]:
             frames: list[str] = []
-            async with httpx.AsyncClient(base_url=server.url, timeout=20) as client:
-                async with client.stream("POST", "/v1/completions", json=body) as r:
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: "):
-                            frames.append(line[6:])
-                            if len(frames) == 2 and not killed:  # mid-generation: kill the engine process
-                                killed.append(True)
-                                os.kill(client_side.process.pid, signal.SIGKILL)
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        frames.append(line[6:])
+                        if kill and len(frames) == 2:  # mid-generation: kill the engine process
+                            os.kill(client_side.process.pid, signal.SIGKILL)
+                            asyncio.ensure_future(watch_health(client))
             return frames
 
         async def main() -> list[list[str]]:
-            return await asyncio.wait_for(asyncio.gather(*(stream() for _ in range(3))), 30)
+            async with httpx.AsyncClient(base_url=server.url, timeout=180) as client:  # a new engine loads
+                first = asyncio.ensure_future(stream(client, kill=True))
+                await asyncio.sleep(0.2)  # queued behind the first
+                return await asyncio.wait_for(asyncio.gather(first, stream(client, kill=False)), 240)
 
-        started = time.monotonic()
-        for frames in asyncio.run(main()):
-            assert frames[-1] == "[DONE]"
-            assert json.loads(frames[-2])["error"]["code"] == "engine_error"
-        assert time.monotonic() - started < 20
+        under_way, queued = asyncio.run(main())
+        assert under_way[-1] == "[DONE]"
+        assert json.loads(under_way[-2])["error"]["code"] == "engine_error"
+        assert queued[-1] == "[DONE]" and "error" not in queued[-2]  # ran again on the new engine, to the end
+        assert json.loads(queued[-2])["choices"][0]["finish_reason"] == "length"
+        assert (503, "engine_restarting") in health  # /health said so while the new engine started
+        assert server.engine.client is not client_side and server.engine.num_restarts == 1
         with server.client() as client:
+            assert client.get("/health").status_code == 200
+            late = client.post("/v1/completions", json={**body, "stream": False})
+            assert late.status_code == 200
+
+
+def test_an_engine_that_keeps_dying_ends_dead(chat_model: Path) -> None:
+    with run_server(chat_model, engine_process=True, config=ServerConfig()) as server:
+        server.engine.restart_policy = RestartPolicy(max_restarts=0)  # restarts off
+        client_side = server.engine.client
+        assert isinstance(client_side, ProcessCoreClient)
+        os.kill(client_side.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        with server.client() as client:
+            while client.get("/health").status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
             health = client.get("/health")
             assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
-            late = client.post("/v1/completions", json={**body, "stream": False})
-            assert late.status_code == 503
+            late = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
+            assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"

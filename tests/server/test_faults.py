@@ -1,61 +1,102 @@
-"""Fault injection: the model's forward raising mid-run ends every in-flight request with an error
-(no hang), /health reports the dead engine, and new requests get 503."""
+"""Fault injection: a model step that raises ends only the requests in that step (the rest, and
+later requests, complete); model steps failing in a row end the engine, and a new one takes over."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tests.server.conftest import run_server
+from tests.server.conftest import MODEL_NAME, RunningServer, run_server
+
+_BODY = {"prompt": "Hello", "max_tokens": 24, "ignore_eos": True}
 
 
-def test_a_failing_forward_errors_every_request_and_fails_health(chat_model: Path) -> None:
-    with run_server(chat_model, max_num_seqs=4) as server:
+async def _one(client: httpx.AsyncClient, stream: bool) -> tuple[int, Any]:
+    if not stream:
+        r = await client.post("/v1/completions", json=_BODY)
+        return r.status_code, r.json()
+    frames = []
+    async with client.stream("POST", "/v1/completions", json={**_BODY, "stream": True}) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                frames.append(line[6:])
+    return r.status_code, frames
+
+
+def _failed(status: int, body_or_frames: Any) -> bool:
+    """An engine error, as the client sees it: a 500 without a traceback, or an error frame then [DONE]."""
+    if isinstance(body_or_frames, dict):
+        assert "Traceback" not in json.dumps(body_or_frames)
+        return status == 500 and body_or_frames["error"]["code"] == "engine_error"
+    assert status == 200 and body_or_frames[-1] == "[DONE]"
+    last = json.loads(body_or_frames[-2])
+    return "error" in last and last["error"]["code"] == "engine_error"
+
+
+def _run_all(server: RunningServer, count: int) -> list[tuple[int, Any]]:
+    async def main() -> list[tuple[int, Any]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            return await asyncio.wait_for(asyncio.gather(*(_one(client, i % 2 == 0) for i in range(count))), 90)
+
+    return asyncio.run(main())
+
+
+def test_a_failing_step_ends_only_its_requests(chat_model: Path) -> None:
+    # Two run at a time: the step that raises holds two requests, the other two wait.
+    with run_server(chat_model, max_num_seqs=2) as server:
         runner = server.core.runner
         real_forward = runner._forward  # every step's forward: eager, fused decode stack or CUDA graph
         calls = {"n": 0}
 
         def flaky_forward(*args: Any, **kwargs: Any) -> Any:
             calls["n"] += 1
-            if calls["n"] > 5:  # some steps succeed, so requests are mid-generation
-                raise RuntimeError("injected fault: device lost")
+            if calls["n"] == 5:  # once, mid-generation of the first two
+                raise RuntimeError("injected fault: out of memory")
             return real_forward(*args, **kwargs)
 
         runner._forward = flaky_forward  # type: ignore[method-assign]
-        body = {"prompt": "Hello", "max_tokens": 100, "ignore_eos": True}
-
-        async def one(client: httpx.AsyncClient, i: int) -> tuple[int, Any]:
-            if i % 2:
-                r = await client.post("/v1/completions", json=body)
-                return r.status_code, r.json()
-            frames = []
-            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-                async for line in r.aiter_lines():
-                    if line.startswith("data: "):
-                        frames.append(line[6:])
-            return r.status_code, frames
-
-        async def main() -> list[tuple[int, Any]]:
-            async with httpx.AsyncClient(base_url=server.url, timeout=20) as client:
-                return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(8))), 30)
-
-        results = asyncio.run(main())
-        for i, (status, body_or_frames) in enumerate(results):
-            if i % 2:  # unstreamed: a 500 with a stable message and no traceback
-                assert status == 500
-                assert body_or_frames["error"]["code"] == "engine_error"
-                assert "Traceback" not in json.dumps(body_or_frames)
-            else:  # streamed: an error frame, then [DONE]
-                assert status == 200
-                assert body_or_frames[-1] == "[DONE]"
-                assert json.loads(body_or_frames[-2])["error"]["code"] == "engine_error"
+        results = _run_all(server, 4)
+        failed = [_failed(*r) for r in results]
+        assert sum(failed) == 2, results
         with server.client() as client:
-            health = client.get("/health")
-            assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
-            assert client.get("/ready").status_code == 503
-            late = client.post("/v1/completions", json=body)
-            assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
+            assert client.get("/health").json() == {"status": "ok"}
+            late = client.post("/v1/completions", json=_BODY)
+            assert late.status_code == 200 and late.json()["choices"][0]["finish_reason"] == "length"
+            assert "tokenmill:engine_restarts_total" in client.get("/metrics").text
+        assert server.engine.num_restarts == 0 and server.core.runner is runner
+
+
+def test_steps_failing_in_a_row_restart_the_engine(chat_model: Path) -> None:
+    with run_server(chat_model, max_num_seqs=4) as server:
+        old_core = server.core
+        real_forward = old_core.runner._forward
+        calls = {"n": 0}
+
+        def broken_forward(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] > 3:  # from here on the device is "lost": every step fails
+                raise RuntimeError("injected fault: device lost")
+            return real_forward(*args, **kwargs)
+
+        old_core.runner._forward = broken_forward  # type: ignore[method-assign]
+        results = _run_all(server, 4)
+        assert all(_failed(*r) for r in results), results  # the fourth step failed with all four in it
+        with server.client() as client:
+            for _ in range(2):  # two more failed steps in a row: the engine is broken, a new one starts
+                r = client.post("/v1/completions", json=_BODY)
+                assert _failed(r.status_code, r.json())
+            for _ in range(600):  # the new engine loads the model again
+                if client.get("/health").status_code == 200:
+                    break
+                time.sleep(0.1)
+            assert client.get("/health").json() == {"status": "ok"}
+            late = client.post("/v1/completions", json=_BODY)
+            assert late.status_code == 200 and late.json()["choices"][0]["finish_reason"] == "length"
+            metrics = client.get("/metrics").text
+        assert server.engine.num_restarts == 1 and server.core is not old_core
+        assert f'tokenmill:engine_restarts_total{{model_name="{MODEL_NAME}"}} 1.0' in metrics

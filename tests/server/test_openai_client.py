@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -184,3 +186,31 @@ def test_bad_parameter_is_400_with_openai_error_shape(client: openai.OpenAI) -> 
         client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1, temperature=-1.0)
     body = info.value.body
     assert isinstance(body, dict) and body["type"] == "invalid_request_error" and body["param"] == "temperature"
+
+
+def test_constrained_output_and_a_named_tool_call_cross_the_engine_process(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=chat("Yes or no?"),
+        max_tokens=10,
+        seed=3,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )
+    assert out.choices[0].message.content in ("yes", "no")
+    parameters = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 3}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    tools: Any = [{"type": "function", "function": {"name": "pick", "parameters": parameters}}]
+    reply = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=chat("Pick one"),
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "pick"}},
+        max_tokens=20,
+    ).choices[0]
+    assert reply.finish_reason == "tool_calls" and reply.message.tool_calls is not None
+    call = reply.message.tool_calls[0]
+    assert call.function.name == "pick" and json.loads(call.function.arguments)["n"] in (1, 2, 3)

@@ -20,7 +20,7 @@ from tokenmill.engine.messages import (
     Stop,
 )
 from tokenmill.outputs import EngineCoreOutput, Logprob
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def test_add_command_keeps_params_and_the_prefill_leader() -> None:
@@ -44,6 +44,26 @@ def test_add_command_keeps_params_and_the_prefill_leader() -> None:
     assert children[0].sampling_params == params and children[0].sampling_params.logit_bias == {7: -2.5}
     assert children[0].eos_token_ids == frozenset({0, 2}) and children[0].arrival_time == 12.5
     assert children[0].priority == -1 and children[0].prompt_token_ids == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredOutputsParams(json={"type": "object", "properties": {"b": {"maximum": 2**70}, "a": {}}}),
+        StructuredOutputsParams(json='{"type": "array"}'),
+        StructuredOutputsParams(json_object=True),
+        StructuredOutputsParams(regex=r"\d+"),
+        StructuredOutputsParams(choice=["yes", "no"]),
+        StructuredOutputsParams(grammar='start: "x"'),
+    ],
+)
+def test_add_command_keeps_structured_outputs(spec: StructuredOutputsParams) -> None:
+    params = SamplingParams(max_tokens=5, structured_outputs=spec)
+    command = wire.decode_command(wire.encode_command(AddRequests(1, [Request("r", [1], params)])))
+    assert isinstance(command, AddRequests)
+    got = command.requests[0].sampling_params.structured_outputs
+    assert got == spec and type(got.json) is type(spec.json)  # a dict schema comes back a dict, in order
+    assert got.json is None or not isinstance(spec.json, dict) or list(got.json["properties"]) == ["b", "a"]
 
 
 def test_abort_and_stop_commands() -> None:

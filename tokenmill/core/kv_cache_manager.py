@@ -67,7 +67,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], 0
         if request.sampling_params.prompt_logprobs is not None:
-            # Prompt logprobs need the logits of every prompt position: a hit would skip some.
+            # Prompt logprobs need the logits of every prompt position: a hit would skip some. (Of n
+            # samples only the first asks for them; the others hit the blocks it leaves cached.)
             return [], 0
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -80,10 +80,14 @@ class Request:
         return self.num_computed_tokens >= self.num_prompt_tokens
 
     def check_stop(self, new_token: int) -> RequestStatus | None:
-        """The finished status that `new_token` (just appended) leads to, or None to go on."""
+        """The finished status that `new_token` (just appended) leads to, or None to go on.
+
+        Under a grammar (structured_outputs), eos is the grammar's end, its only token once the output
+        is complete: it stops the request whatever ignore_eos and min_tokens say."""
         params = self.sampling_params
-        if self.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and new_token in self.eos_token_ids:
+        constrained = params.structured_outputs is not None
+        if constrained or self.num_output_tokens >= params.min_tokens:
+            if (constrained or not params.ignore_eos) and new_token in self.eos_token_ids:
                 self.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
             if new_token in params.stop_token_ids:
@@ -92,3 +96,22 @@ class Request:
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def fresh_copies(children: list[Request]) -> list[Request]:
+    """New, never-scheduled requests with the same identity and inputs as `children` (one user
+    request's samples), to queue again on a new engine; prefill leaders point into the copies."""
+    copies: dict[int, Request] = {}
+    for child in children:
+        leader = copies.get(id(child.prefill_leader)) if child.prefill_leader is not None else None
+        copies[id(child)] = Request(
+            child.req_id,
+            child.prompt_token_ids,
+            child.sampling_params,
+            child.eos_token_ids,
+            child.priority,
+            child.arrival_time,
+            prefill_leader=leader,
+            cache_salt=child.cache_salt,
+        )
+    return list(copies.values())

@@ -14,9 +14,12 @@ Usage::
         print(out.outputs[0].delta_text, end="")
 
 A stream that its consumer stops reading (a client that disconnects) aborts its request: the
-engine frees its KV blocks before its next step. A model step that raises, or an engine process
-that dies, marks the engine dead: every in-flight request ends with `EngineDeadError` and nothing
-new is accepted.
+engine frees its KV blocks before its next step. A model step that raises ends the requests in that
+step only (core_loop.py). An engine that dies (its process killed, its loop failed) is replaced by
+a new one (restart_policy.py bounds how often): requests that had produced no output yet are queued
+again on it and complete; those under way end with `EngineDeadError`, as does a request that was
+already requeued once (it may be what kills the engine). Requests that arrive meanwhile wait for
+the new engine. Past the policy's bounds the engine stays dead and nothing new is accepted.
 """
 
 from __future__ import annotations
@@ -26,18 +29,19 @@ import collections
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.config import EngineArgs
-from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.request import Request, RequestStatus, fresh_copies
 from tokenmill.engine.core_client import CoreClient, ProcessCoreClient, ThreadCoreClient
 from tokenmill.engine.core_loop import EngineDeadError
 from tokenmill.engine.engine_args import create_engine_config
 from tokenmill.engine.input_processor import InputProcessor, PreparedRequest, Prompt
 from tokenmill.engine.messages import EngineSnapshot
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.restart_policy import RestartPolicy
 from tokenmill.loader.hf import load_tokenizer
 from tokenmill.outputs import EngineCoreOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -59,6 +63,8 @@ class StatsListener(Protocol):
 
     def on_finished(self, stream: RequestStream, output: RequestOutput) -> None: ...
 
+    def on_restart(self) -> None: ...
+
 
 @dataclass(eq=False)
 class RequestStream:
@@ -73,6 +79,8 @@ class RequestStream:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished: bool = False
+    delivered: bool = False  # an output has reached the consumer: it cannot be replayed on a new engine
+    requeued: bool = False  # queued again once after an engine died
 
     def metrics(self) -> RequestMetrics:
         """Core timings (queue, prefill, decode) of the request's children, merged."""
@@ -90,10 +98,23 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, args: EngineArgs, stall_timeout_s: float = 300.0, engine_process: bool = True) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        stall_timeout_s: float = 300.0,
+        engine_process: bool = True,
+        restart_policy: RestartPolicy | None = None,
+    ) -> None:
         self.config, source = create_engine_config(args)
         self.tokenizer: PreTrainedTokenizerBase | None = load_tokenizer(source.tokenizer) if source.tokenizer else None
-        self.client: CoreClient = (ProcessCoreClient if engine_process else ThreadCoreClient)(self.config, source)
+        client_type = ProcessCoreClient if engine_process else ThreadCoreClient
+        self._new_client: Callable[[], CoreClient] = lambda: client_type(self.config, source)
+        self.client: CoreClient = self._new_client()
+        self.restart_policy = restart_policy or RestartPolicy()
+        self.restarting: str | None = None  # why, while a new engine starts after one died
+        self.num_restarts = 0
+        self._restart_task: asyncio.Task[None] | None = None
+        self._closing = False
         self.inputs = InputProcessor(
             self.tokenizer, self.config.model.vocab_size, source.eos_token_ids, self.client.limits
         )
@@ -117,6 +138,7 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine loop after its current step; in-flight requests end as dead."""
+        self._closing = True  # a restart under way gives up (and stops what it started)
         self.client.shutdown(timeout)
 
     @property
@@ -125,6 +147,8 @@ class AsyncEngine:
 
     def is_stalled(self) -> bool:
         """Requests are in flight but the engine has not reported for stall_timeout_s."""
+        if self.restarting is not None:
+            return False
         return bool(self.streams) and time.monotonic() - self._last_event > self.stall_timeout_s
 
     @property
@@ -180,10 +204,15 @@ class AsyncEngine:
             prepared.params,
             [c.req_id for c in prepared.children],
         )
-        seq = next(self._add_seq)
-        self._unacked.append((seq, len(prepared.children), len(prepared.children) * stream.num_prompt_tokens))
-        self.client.add(seq, prepared.children)
+        self._send(stream)
         return stream
+
+    def _send(self, stream: RequestStream) -> None:
+        """Queue the stream's requests in the engine (or count them as waiting for the one starting)."""
+        seq = next(self._add_seq)
+        self._unacked.append((seq, len(stream.children), len(stream.children) * stream.num_prompt_tokens))
+        if self.restarting is None:
+            self.client.add(seq, stream.children)
 
     def generate(self, prepared: PreparedRequest, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         """Queue the request now, and return an iterator of its output after each step that changed it.
@@ -213,7 +242,8 @@ class AsyncEngine:
             return
         stream.finished = True
         output = self.outputs.abort(request_id)
-        self.client.abort([c.req_id for c in stream.children], RequestStatus.FINISHED_ABORTED)
+        if self.restarting is None:  # else no engine holds it
+            self.client.abort([c.req_id for c in stream.children], RequestStatus.FINISHED_ABORTED)
         if output is not None:
             stream.queue.put_nowait(output)
             if self.stats is not None:
@@ -254,6 +284,7 @@ class AsyncEngine:
                 stream.num_output_tokens = num_tokens
                 stream.first_token_time = stream.first_token_time or now
                 stream.last_token_time = now
+            stream.delivered = True
             if result.finished:
                 stream.finished = True
                 del self.streams[result.request_id]
@@ -263,13 +294,68 @@ class AsyncEngine:
             stream.queue.put_nowait(result)
 
     def _on_dead(self, reason: str, failed: bool) -> None:
+        if failed and not self._closing and self.restart_policy.allow():
+            self._begin_restart(reason)
+        else:
+            self._give_up(reason, failed)
+
+    def _give_up(self, reason: str, failed: bool) -> None:
+        self.restarting = None
         self.dead_reason, self.failed = reason, failed
-        error = EngineDeadError(reason)
+        for request_id in list(self.streams):
+            self._fail(request_id, reason)
+
+    def _fail(self, request_id: str, reason: str) -> None:
+        stream = self.streams.pop(request_id)
+        stream.finished = True
+        self.outputs.abort(request_id)
+        stream.queue.put_nowait(EngineDeadError(reason))
+
+    # ------------------------------------------------------------------ restart (event loop side)
+    def _begin_restart(self, reason: str) -> None:
+        logger.error("the engine died (%s); starting a new one", reason)
+        self.restarting = reason
         for request_id, stream in list(self.streams.items()):
-            stream.finished = True
-            self.outputs.abort(request_id)
-            stream.queue.put_nowait(error)
-        self.streams.clear()
+            # Output already sent cannot be taken back, and a request that was in flight at two
+            # deaths may be their cause: both end. The rest run again from their prompts.
+            if stream.delivered or stream.requeued:
+                self._fail(request_id, reason)
+            else:
+                stream.requeued = True
+        self._unacked.clear()
+        self.snapshot = EngineSnapshot(0, 0, 0, 0.0, self.num_blocks, 0, 0, 0, 0, 0)
+        self._restart_task = asyncio.ensure_future(self._restart(reason, self.client))
+
+    async def _restart(self, reason: str, dead: CoreClient) -> None:
+        await asyncio.to_thread(dead.shutdown, 5.0)  # reap its process and writer thread
+        for attempt, delay in enumerate(self.restart_policy.delays(), 1):
+            await asyncio.sleep(delay)
+            if self._closing:
+                return
+            try:
+                client = await asyncio.to_thread(self._new_client)
+            except Exception as exc:  # noqa: BLE001 - logged; the next try or giving up follows
+                logger.error("starting a new engine failed (try %d): %s", attempt, exc)
+                continue
+            if self._closing:
+                await asyncio.to_thread(client.shutdown, 5.0)
+                return
+            self._resume(client)
+            return
+        self._give_up(f"{reason} Starting a new engine failed {len(self.restart_policy.delays())} times.", True)
+
+    def _resume(self, client: CoreClient) -> None:
+        """Put the new engine in place and queue again every request still waiting for one."""
+        self.client, self.restarting = client, None
+        self.num_restarts += 1
+        self._last_event = time.monotonic()
+        client.start(self._on_step, self._on_dead)
+        for stream in self.streams.values():
+            stream.children = fresh_copies(stream.children)  # the dead engine's copies hold its state
+            self._send(stream)
+        logger.warning("a new engine is running; %d requests queued again", len(self.streams))
+        if self.stats is not None:
+            self.stats.on_restart()
 
 
 def _merge(older: RequestOutput, newer: RequestOutput | BaseException) -> RequestOutput | BaseException:

@@ -19,6 +19,10 @@ logger = logging.getLogger(__name__)
 
 # How long the idle loop waits for a command before it looks again.
 IDLE_POLL_S = 0.5
+# A failed model step ends the requests in it and the loop goes on; this many failures in a row
+# mean the model runner itself is broken (a lost device, corrupted state), so the loop ends and
+# the front end starts a new engine.
+MAX_FAILED_STEPS_IN_A_ROW = 3
 
 
 class EngineDeadError(RuntimeError):
@@ -44,6 +48,7 @@ class CoreLoop:
 
     def run(self) -> None:
         core = self.core
+        failed_in_a_row = 0
         try:
             while True:
                 stop, applied, rejected = self._apply_commands(wait=not core.has_unfinished())
@@ -59,8 +64,9 @@ class CoreLoop:
                 outputs = rejected + core.step()
                 num_step_tokens = core.scheduler.stats.num_scheduled_tokens - tokens_before
                 self.events.publish(EngineStep(outputs, self._snapshot(num_step_tokens)))
-                if core.num_failed_steps > failed_before:
-                    raise EngineDeadError("a model step failed; the engine stopped (see the server log).")
+                failed_in_a_row = failed_in_a_row + 1 if core.num_failed_steps > failed_before else 0
+                if failed_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+                    raise EngineDeadError(f"{failed_in_a_row} model steps in a row failed (see the server log).")
         except BaseException as exc:  # the loop must never die silently
             if not isinstance(exc, EngineDeadError):
                 logger.exception("the engine loop failed")

@@ -15,8 +15,11 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.process_tuning import freeze_startup_heap, keep_freed_memory
+from tokenmill.loader.hf import load_tokenizer
 from tokenmill.loader.model_source import ModelSource
 from tokenmill.outputs import EngineCoreOutput
+from tokenmill.structured.compiler import GrammarCompiler
+from tokenmill.structured.llguidance_backend import LLGuidanceBackend
 from tokenmill.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -87,17 +90,29 @@ class DecodeStepStats:
     tokens: int = 0
 
 
+def grammar_compiler(config: EngineConfig, source: ModelSource) -> GrammarCompiler:
+    """The engine's own grammar compiler: it loads the model's tokenizer when the first request with
+    structured_outputs arrives (the front end that checked the request may be another process)."""
+    tokenizer = source.tokenizer
+    if tokenizer is None:
+        return GrammarCompiler(None)
+    vocab_size, eos = config.model.vocab_size, source.eos_token_ids
+    return GrammarCompiler(lambda: LLGuidanceBackend(load_tokenizer(tokenizer), vocab_size, eos))
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource, grammars: GrammarCompiler | None = None) -> None:
+        """`grammars`: a compiler to share with the front end in this process (LLM does); else its own."""
         self.config = config
-        self.runner = ModelRunner(config, source.folder, source.eos_token_ids)
+        self.grammars = grammars if grammars is not None else grammar_compiler(config, source)
+        self.runner = ModelRunner(config, source.folder, source.eos_token_ids, self.grammars)
         self.num_blocks = num_kv_blocks(config, self.runner)
         self.runner.allocate_kv_cache(self.num_blocks)
         self.runner.capture_cuda_graphs()  # CUDA only; after the cache, which the graphs read in place
         self.kv_cache = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.num_idle_steps = 0  # consecutive steps that scheduled nothing while requests waited
-        self.num_failed_steps = 0  # model steps that raised (the server treats one as fatal)
+        self.num_failed_steps = 0  # model steps that raised (each ended only its own requests)
         self.decode_stats = DecodeStepStats()
         logger.info(
             "engine ready: %d KV blocks of %d tokens (%s), dtype %s (weights %s), attention %s, fused decode %s",
@@ -113,6 +128,9 @@ class EngineCore:
         keep_freed_memory()
 
     def add_request(self, request: Request) -> None:
+        spec = request.sampling_params.structured_outputs
+        if spec is not None:  # compiled (and cached) here, so a bad spec fails its request alone
+            self.grammars.compile(spec)
         self.scheduler.add_request(request)
 
     def abort_request(self, req_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, cast
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import AdmissionLimits
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.compiler import GrammarCompiler
+from tokenmill.structured.llguidance_backend import llguidance_grammars
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -39,11 +41,15 @@ class InputProcessor:
         vocab_size: int,
         eos_token_ids: list[int],
         limits: AdmissionLimits,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
+        """`grammars` checks structured_outputs (share the engine's where it runs in this process);
+        without one, the processor makes its own from `tokenizer` on the first such request."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.limits = limits
+        self.grammars = grammars if grammars is not None else llguidance_grammars(tokenizer, vocab_size, eos_token_ids)
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -103,6 +109,8 @@ class InputProcessor:
         params.check_vocab(self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids).")
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # a bad schema, regex or grammar: ValueError
         max_len = self.limits.max_model_len
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=max(1, max_len - len(ids)))
@@ -115,13 +123,19 @@ class InputProcessor:
         self, request_id: str, ids: list[int], params: SamplingParams, priority: int, cache_salt: str | None = None
     ) -> list[Request]:
         """n samples of one prompt become n core requests; the siblings wait for the first to compute
-        the prompt, then reuse its KV blocks through the prefix cache."""
+        the prompt, then reuse its KV blocks through the prefix cache.
+
+        Only the first computes prompt logprobs (the same for every sample; the OutputProcessor gives
+        them to all): a request that wants them must compute every prompt position, so it skips the
+        prefix cache, and the siblings would each compute the whole prompt again. (With the prefix
+        cache off the siblings still compute the prompt, but without logprobs.)"""
         if params.n == 1:
             return [Request(request_id, ids, params, self.eos_token_ids, priority, cache_salt=cache_salt)]
         children: list[Request] = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            child_params = dataclasses.replace(params, n=1, seed=seed)
+            prompt_logprobs = params.prompt_logprobs if i == 0 else None
+            child_params = dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
             leader = children[0] if children else None
             children.append(
                 Request(

@@ -19,6 +19,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.loader.hf import load_tokenizer
 from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.llguidance_backend import llguidance_grammars
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -43,10 +44,11 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.config, source = create_engine_config(EngineArgs(model=model, **kwargs))
         self.tokenizer: PreTrainedTokenizerBase | None = load_tokenizer(source.tokenizer) if source.tokenizer else None
-        self.engine = EngineCore(self.config, source)
-        self.inputs = InputProcessor(
-            self.tokenizer, self.config.model.vocab_size, source.eos_token_ids, self.engine.scheduler.limits
-        )
+        vocab_size, eos = self.config.model.vocab_size, source.eos_token_ids
+        # One compiler checks the requests and serves the engine: each grammar compiles once.
+        grammars = llguidance_grammars(self.tokenizer, vocab_size, eos)
+        self.engine = EngineCore(self.config, source, grammars)
+        self.inputs = InputProcessor(self.tokenizer, vocab_size, eos, self.engine.scheduler.limits, grammars)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:

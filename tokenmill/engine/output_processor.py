@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.token_texts import token_texts
 from tokenmill.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
 
@@ -107,7 +108,10 @@ class OutputProcessor:
                 to_stop.append(out.req_id)
             if seq.finish_reason is not None:
                 del self.child_to_parent[out.req_id]
-            changed[state.request_id] = state
+            # A chunk of prompt logprobs alone (a long prompt's prefill in chunks) is kept until the
+            # first token comes: an output carries the prompt's logprobs whole or not at all.
+            if out.new_token_ids or out.finish_reason is not None or out.error is not None:
+                changed[state.request_id] = state
         results = [self._to_output(state) for state in changed.values()]
         for state in changed.values():
             for seq in state.sequences:
@@ -118,7 +122,8 @@ class OutputProcessor:
 
     def _apply(self, state: _RequestState, seq: _Sequence, out: EngineCoreOutput) -> bool:
         """Fold one core output into a sequence; True when a stop string ended it."""
-        if out.new_prompt_logprobs and state.prompt_logprobs is not None:
+        # Child 0 alone computes the shared prompt's logprobs (InputProcessor._fan_out): they are every choice's.
+        if out.new_prompt_logprobs and state.prompt_logprobs is not None and seq.index == 0:
             if out.new_prompt_logprobs[0] is None:  # a chunk from position 0: a recompute starts over
                 state.prompt_logprobs.clear()
             self._decode_tokens(out.new_prompt_logprobs)
@@ -147,12 +152,12 @@ class OutputProcessor:
         return stopped_by_string
 
     def _decode_tokens(self, entries: Iterable[TokenLogprobs | None]) -> None:
-        """Fill in each logprob's token text, in place."""
+        """Fill in each logprob's token text, in place: a dict hit per entry once an id has been seen."""
         if self.tokenizer is not None:
+            texts = token_texts(self.tokenizer)
             for entry in entries:
                 for tok, lp in (entry or {}).items():
-                    # One id decodes to one string (decode() is typed for batches too).
-                    lp.decoded_token = cast(str, self.tokenizer.decode([tok]))
+                    lp.decoded_token = texts[tok]
 
     def _to_output(self, state: _RequestState) -> RequestOutput:
         return RequestOutput(

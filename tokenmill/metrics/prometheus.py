@@ -112,6 +112,9 @@ class ServerMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens scheduled per engine step.", _TOKEN_BUCKETS
         ).labels(m)
+        self.engine_restarts = counter(
+            "engine_restarts", "New engines started after one died (killed, or model steps failing in a row)."
+        ).labels(m)
         self.model_name = model_name
         self._last = _Totals(time.monotonic(), 0, 0, 0)
         self._prev_snapshot: EngineSnapshot | None = None
@@ -158,6 +161,10 @@ class ServerMetrics:
                 self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
                 if m.finished_time is not None:
                     self.decode_time.observe(max(0.0, m.finished_time - m.first_token_time))
+
+    def on_restart(self) -> None:
+        self.engine_restarts.inc()
+        self._prev_snapshot = None  # the new engine's cumulative counts start again from 0
 
     # ------------------------------------------------------------------ periodic and scrape
     def log_throughput(self) -> None:

@@ -1,7 +1,8 @@
-"""Token sampling: logit_bias, penalties, min_tokens, greedy / temperature / top-k / top-p / min-p,
-per-request seeds, and logprobs.
+"""Token sampling: logit_bias, penalties, min_tokens, grammar masks, greedy / temperature / top-k /
+top-p / min-p, per-request seeds, and logprobs.
 
-Per step: `meta = SamplingMetadata.build(...)`, then `Sampler()(logits, meta)`.
+Per step: `meta = SamplingMetadata.build(...)`, then `Sampler()(logits, meta)`, with the step's
+`TokenBitmask` (from tokenmill.structured) as a third argument when some rows are constrained.
 """
 
 from tokenmill.sample.logprobs import compute_topk_logprobs, to_token_logprobs

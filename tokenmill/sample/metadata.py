@@ -136,11 +136,12 @@ def _min_tokens_pairs(
     params: list[SamplingParams], output_token_ids: list[list[int]], eos_token_ids: list[int]
 ) -> tuple[list[int], list[int]]:
     """Until a request has min_tokens outputs, every token that would stop it is banned. With
-    ignore_eos, eos does not stop a request, so it stays allowed."""
+    ignore_eos, eos does not stop a request, so it stays allowed. A grammar's request is left alone:
+    its grammar decides where it ends (eos may be the only token it allows)."""
     rows: list[int] = []
     token_ids: list[int] = []
     for row, (p, output) in enumerate(zip(params, output_token_ids)):
-        if len(output) >= p.min_tokens:
+        if len(output) >= p.min_tokens or p.structured_outputs is not None:
             continue
         enders = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | set(eos_token_ids)
         rows.extend([row] * len(enders))

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tokenmill.ops.cpu_ops import cpu_ops
+from tokenmill.sample.bitmask import TokenBitmask, apply_token_bitmask
 from tokenmill.sample.logprobs import compute_topk_logprobs
 from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sample.penalties import apply_logit_bias, apply_penalties, mask_tokens
@@ -29,19 +30,25 @@ class SamplerOutput:
 class Sampler(nn.Module):
     """Picks one token per row. The caller's logits are left unchanged.
 
-    Order: raw logprobs (if asked) -> logit_bias -> penalties -> min_tokens mask -> argmax for greedy
-    rows; temperature -> top-k -> top-p -> min-p -> draw for the others. Reported logprobs describe
-    the model's own distribution (log_softmax of the unmodified logits), as in vLLM and HF.
+    Order: raw logprobs (if asked) -> logit_bias -> penalties -> min_tokens mask -> grammar mask ->
+    argmax for greedy rows; temperature -> top-k -> top-p -> min-p -> draw for the others. Reported
+    logprobs describe the model's own distribution (log_softmax of the unmodified logits), as in vLLM and
+    HF; under a grammar too (vLLM reports the masked one there): they show what the constraint overrode.
     """
 
-    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    def forward(
+        self, logits: torch.Tensor, meta: SamplingMetadata, bitmask: TokenBitmask | None = None
+    ) -> SamplerOutput:
+        """`bitmask`: the tokens a grammar allows on its constrained rows (tokenmill.structured)."""
         # [num_reqs, vocab_size] float32, ours to change in place; no copy where nothing below writes
-        # to it (greedy or a plain CPU draw, no bias, penalties or min_tokens: the common case).
-        if logits.dtype != torch.float32 or not _read_only(logits, meta):
+        # to it (greedy or a plain CPU draw, no bias, penalties, min_tokens or grammar: the common case).
+        if logits.dtype != torch.float32 or bitmask is not None or not _read_only(logits, meta):
             logits = logits.to(torch.float32, copy=True)
         k = meta.max_num_logprobs
         raw_logprobs = logits.log_softmax(dim=-1) if k is not None else None  # [num_reqs, vocab_size]
         _apply_request_adjustments(logits, meta)
+        if bitmask is not None:  # last, so no bias or penalty can lift a token the grammar bans
+            apply_token_bitmask(logits, bitmask)
         sampled = _pick(logits, meta)  # [num_reqs]
         if raw_logprobs is None or k is None:
             return SamplerOutput(sampled)

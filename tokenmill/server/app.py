@@ -52,7 +52,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (413, "Body too large"),
         (429, "Rate limit or full queue (see Retry-After)"),
         (500, "Engine failure"),
-        (503, "Shutting down or engine dead"),
+        (503, "Shutting down, engine restarting or dead"),
+        (504, "Past its deadline (request_timeout, max_queue_time)"),
     )
 }
 _SSE = {"content": {"text/event-stream": {}}, "description": "JSON, or with stream=true server-sent events"}
@@ -101,22 +102,29 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health", responses={503: _ERRORS[503]})
     async def health() -> Response:
-        """Liveness: 503 once the engine loop has died or a step has stalled."""
+        """Liveness: 503 while a new engine starts after one died, once the engine is dead for good,
+        or while a step has stalled."""
         if state.engine.is_dead:
             return JSONResponse(
                 error_body(503, f"the engine is dead: {state.engine.dead_reason}", "engine_dead"), status_code=503
             )
+        if state.engine.restarting is not None:
+            message = f"the engine is restarting after it died: {state.engine.restarting}"
+            return JSONResponse(error_body(503, message, "engine_restarting"), status_code=503)
         if state.engine.is_stalled():
             return JSONResponse(error_body(503, "the engine step has stalled.", "engine_stalled"), status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready", responses={503: _ERRORS[503]})
     async def ready() -> Response:
-        """Readiness: the model is loaded and new requests are accepted."""
+        """Readiness: the model is loaded and new requests are accepted. Not while a new engine
+        starts (requests sent meanwhile wait for it, but a balancer should send them elsewhere)."""
         try:
             state.check_accepting()
         except APIError as exc:
             return JSONResponse(exc.body(), status_code=503)
+        if state.engine.restarting is not None:
+            return JSONResponse(error_body(503, "the engine is restarting.", "engine_restarting"), status_code=503)
         return JSONResponse({"status": "ready", "model": state.model_name})
 
     @app.get("/metrics", response_class=Response)

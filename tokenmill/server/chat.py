@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages through the model's chat template, streamed or not."""
+"""POST /v1/chat/completions: messages through the model's chat template, streamed or not; with tools,
+the reply's tool calls (tools.py, tool_output.py)."""
 
 from __future__ import annotations
 
@@ -8,64 +9,110 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from tokenmill.engine.input_processor import PreparedRequest
 from tokenmill.outputs import TokenLogprobs
 from tokenmill.server import serving
-from tokenmill.server.chat_template import chat_prompt_token_ids
 from tokenmill.server.config import ServerState
+from tokenmill.server.constraints import output_constraint
 from tokenmill.server.errors import APIError
+from tokenmill.server.prompts import chat_token_ids, check_messages_size
 from tokenmill.server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    MediaPart,
     TokenLogprobEntry,
     TopLogprob,
     new_id,
     now,
 )
+from tokenmill.server.tool_output import ReplyStream, whole_reply
+from tokenmill.server.tools import ToolPlan, plan_tools, template_message
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request, key: str) -> Any:
     arrival = serving.monotonic()
+    request_id = new_id("chatcmpl")
+    with state.limiter.charging_refusals(key):
+        prepared, plan = await _prepare(state, body, key, request_id)
+        job = serving.admit(state, key, [prepared], arrival, body)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return serving.JobStreamingResponse(state, job, _stream(state, body, plan, job, request_id, include_usage))
+    await serving.finish(state, job, request)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    choices = []
+    for out in job.outputs[0].outputs:
+        reply = whole_reply(plan, out.text, out.finish_reason)
+        choices.append(
+            ChatChoice(
+                index=out.index,
+                message=AssistantMessage(content=reply.content, tool_calls=reply.tool_calls),
+                logprobs=_logprobs(state, out.token_ids, out.logprobs or [], top) if top is not None else None,
+                finish_reason=reply.finish_reason,
+                stop_reason=out.stop_reason,
+            )
+        )
+    response = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=job.usage())
+    return JSONResponse(response.model_dump(), headers=job.admission.headers)
+
+
+async def _prepare(
+    state: ServerState, body: ChatCompletionRequest, key: str, request_id: str
+) -> tuple[PreparedRequest, ToolPlan]:
+    """The conversation as an engine request, validated (APIError 400 for anything wrong), and what to
+    do with its tools; its size is checked before it is templated."""
     state.check_model(body.model)
     state.check_accepting()
+    _refuse_unsupported(body)
     serving.check_n(state, body.n)
     serving.check_logit_bias(state, body.logit_bias)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        ids = chat_prompt_token_ids(state.engine.tokenizer, messages, body.add_generation_prompt)
-    except ValueError as exc:
-        raise APIError(400, str(exc), "invalid_messages", "messages") from exc
+    plan = plan_tools(body, state.tool_parser)
+    constraint = output_constraint(body, body.response_format, plan.schema)
+    messages = [template_message(m) for m in body.messages]
+    check_messages_size(state, messages, plan.template_tools)
+    ids = await chat_token_ids(state, messages, body.add_generation_prompt, plan.template_tools)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = serving.resolve_max_tokens(state, requested, len(ids), state.default_max_tokens)
     top = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true.", "invalid_request", "top_logprobs")
     try:
-        params = serving.sampling_params(body, max_tokens, top, None, state.sampling_defaults)
+        params = serving.sampling_params(body, max_tokens, top, None, state.sampling_defaults, constraint)
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_request") from exc
-    request_id = new_id("chatcmpl")
     priority, salt = state.priority(key, body.priority), state.cache_salt(key, body.cache_salt)
-    prepared = serving.prepare(state, request_id, None, ids, params, priority, salt)
-    job = serving.admit(state, key, [prepared], arrival, body)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return serving.JobStreamingResponse(state, job, _stream(state, body, job, request_id, include_usage))
-    await serving.finish(state, job, request)
-    choices = [
-        ChatChoice(
-            index=out.index,
-            message=AssistantMessage(content=out.text),
-            logprobs=_logprobs(state, out.token_ids, out.logprobs or [], top) if top is not None else None,
-            finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
-        )
-        for out in job.outputs[0].outputs
-    ]
-    response = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=job.usage())
-    return JSONResponse(response.model_dump(), headers=job.admission.headers)
+    return await serving.prepare(state, request_id, None, ids, params, priority, salt), plan
+
+
+_REFUSED = {
+    "audio": "audio output is not supported: this server's models write text only.",
+    "prediction": "predicted outputs are not supported.",
+    "web_search_options": "web search is not supported.",
+    "functions": "functions (deprecated by OpenAI) is not supported: give tools instead.",
+    "function_call": "function_call (deprecated by OpenAI) is not supported: give tool_choice instead.",
+}
+
+
+def _refuse_unsupported(body: ChatCompletionRequest) -> None:
+    """400, naming the field, for what OpenAI's API offers and this server cannot do: better than an
+    answer that silently lacks it."""
+    for field, why in _REFUSED.items():
+        if getattr(body, field) is not None:
+            raise APIError(400, why, "unsupported_parameter", field)
+    if body.modalities is not None and body.modalities != ["text"]:
+        raise APIError(400, 'modalities other than ["text"] are not supported.', "unsupported_parameter", "modalities")
+    for i, message in enumerate(body.messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+            if isinstance(part, MediaPart):
+                raise APIError(
+                    400,
+                    f"{part.type} content parts are not supported: this server's models read text only.",
+                    "unsupported_content",
+                    f"messages.{i}.content.{j}",
+                )
 
 
 def _logprobs(state: ServerState, token_ids: list[int], entries: list[TokenLogprobs], top: int | None) -> ChatLogprobs:
@@ -94,7 +141,12 @@ def _logprobs(state: ServerState, token_ids: list[int], entries: list[TokenLogpr
 
 
 async def _stream(
-    state: ServerState, body: ChatCompletionRequest, job: serving.Job, request_id: str, include_usage: bool
+    state: ServerState,
+    body: ChatCompletionRequest,
+    plan: ToolPlan,
+    job: serving.Job,
+    request_id: str,
+    include_usage: bool,
 ) -> AsyncIterator[str]:
     created = now()
     top = (body.top_logprobs or 0) if body.logprobs else None
@@ -111,32 +163,40 @@ async def _stream(
             data["usage"] = usage
         return serving.sse(data)
 
-    # The role comes first, once per choice, as OpenAI sends it.
-    yield chunk(
-        [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            for i in range(body.n)
-        ]
-    )
+    # The role comes first, once per choice, as OpenAI sends it (content null when it will be tool calls).
+    first = {"role": "assistant", "content": None if plan.constrained else ""}
+    yield chunk([{"index": i, "delta": first, "logprobs": None, "finish_reason": None} for i in range(body.n)])
     sent_tokens = [0] * body.n
+    replies = [ReplyStream(plan) for _ in range(body.n)]
+    done: set[int] = set()  # every output of a request repeats its finished choices: they were sent
     async for _, output in serving.run_job(state, job):
         for out in output.outputs:
             start = sent_tokens[out.index]
-            if len(out.token_ids) == start and not out.delta_text and not out.finished:
+            if out.index in done or (len(out.token_ids) == start and not out.delta_text and not out.finished):
                 continue
             logprobs = None
             if top is not None:
                 logprobs = _logprobs(state, out.token_ids[start:], (out.logprobs or [])[start:], top).model_dump()
             sent_tokens[out.index] = len(out.token_ids)
-            yield chunk(
-                [
-                    {
-                        "index": out.index,
-                        "delta": {"content": out.delta_text},
-                        "logprobs": logprobs,
-                        "finish_reason": out.finish_reason,
-                    }
-                ]
-            )
+            delta, finish_reason = _delta(plan, replies[out.index], out.delta_text, out.finish_reason)
+            if out.finished:
+                done.add(out.index)
+            elif not delta and logprobs is None:
+                continue  # held back (a tool call may have begun)
+            yield chunk([{"index": out.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
     if include_usage:
         yield chunk([], job.usage().model_dump())
+
+
+def _delta(
+    plan: ToolPlan, reply: ReplyStream, text: str, finish_reason: str | None
+) -> tuple[dict[str, Any], str | None]:
+    """A choice's delta for its new text, and its finish_reason (tool calls come whole, at the end)."""
+    content, tool_calls = reply.feed(text), None
+    if finish_reason is not None:
+        rest, tool_calls, finish_reason = reply.finish(finish_reason)
+        content += rest
+    delta: dict[str, Any] = {"content": content} if content or plan.mode == "none" else {}
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
+    return delta, finish_reason

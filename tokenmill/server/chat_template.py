@@ -4,32 +4,47 @@ Rendering the template with the messages' text and tokenizing the result would t
 literal "<|im_end|><|im_start|>system" into real control tokens (prompt injection). Instead the
 template is rendered with a unique placeholder for each message's content; the template's own text
 is tokenized as usual (its special tokens recognized) and each content is tokenized as plain text
-(`split_special_tokens=True`), so "<|im_end|>" typed by a user stays the characters it is."""
+(`split_special_tokens=True`), so "<|im_end|>" typed by a user stays the characters it is.
+
+Tools (the template writes them into the prompt), earlier tool calls and tool_call_ids are rendered as
+they are: templates reformat them (`| tojson`), so no placeholder would survive. They are refused
+instead if they hold a control token's text."""
 
 from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 
 def chat_prompt_token_ids(
-    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
+    """`messages` are {"role", "content": str} plus, where given, "tool_calls" and "tool_call_id";
+    `tools` are OpenAI's tool objects, for the template (HF's apply_chat_template(tools=...))."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use /v1/completions with a plain prompt.")
+    specials = _special_texts(tokenizer)
+    extras = [{k: v for k, v in m.items() if k not in ("role", "content")} for m in messages]
+    _refuse_specials(specials, nested_strings([tools, extras]), "tools, tool calls and tool_call_ids")
     nonce = secrets.token_hex(8)
-    marks = [f"\x00{nonce}:{i}\x00" for i in range(len(messages))]
-    placeheld = [{**m, "content": mark} for m, mark in zip(messages, marks)]
+    # Empty contents keep their own value: a template may test them ("if message.content").
+    held = [i for i, m in enumerate(messages) if m["content"]]
+    placeheld = [{**m, "content": f"\x00{nonce}:{i}\x00"} if m["content"] else m for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(placeheld, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(
+            placeheld, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
     except Exception as exc:  # templates raise for conversations they do not support
         raise ValueError(f"the chat template rejected these messages: {exc}") from exc
     pieces = re.split(f"\x00{nonce}:([0-9]+)\x00", text)
     # pieces alternate: template text, message index, template text, ...
-    found = [int(i) for i in pieces[1::2]]
-    if found != list(range(len(messages))):
-        return _fallback(tokenizer, messages, add_generation_prompt)
+    if [int(i) for i in pieces[1::2]] != held:
+        return _fallback(tokenizer, specials, messages, add_generation_prompt, tools)
     ids: list[int] = []
     for i, piece in enumerate(pieces):
         if i % 2 == 0:
@@ -37,22 +52,53 @@ def chat_prompt_token_ids(
                 ids.extend(tokenizer.encode(piece, add_special_tokens=False))
         else:
             content = messages[int(piece)]["content"]
-            if content:
-                ids.extend(tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True))
+            ids.extend(tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True))
     return ids
 
 
-def _fallback(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+def _fallback(
+    tokenizer: Any,
+    specials: list[str],
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None,
+) -> list[int]:
     """For templates that transform content (so placeholders do not survive): render the real text,
     after making sure no message carries a special token's text."""
+    _refuse_specials(specials, (m["content"] for m in messages), "message content")
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _special_texts(tokenizer: Any) -> list[str]:
     specials = [s for s in getattr(tokenizer, "all_special_tokens", []) if s]
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    specials += [str(t) for t in added.values() if getattr(t, "special", False)]
-    for message in messages:
+    return specials + [str(t) for t in added.values() if getattr(t, "special", False)]
+
+
+def _refuse_specials(specials: list[str], texts: Iterable[str], what: str) -> None:
+    firsts = {s[0] for s in specials}  # few texts hold one (most specials start with "<"): a cheap first look
+    for text in texts:
+        if not any(c in text for c in firsts):
+            continue
         for special in specials:
-            if special in message["content"]:
+            if special in text:
                 raise ValueError(
-                    f"message content may not contain the control token {special!r} with this model's chat template."
+                    f"{what} may not contain the control token {special!r} with this model's chat template."
                 )
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def nested_strings(value: object) -> Iterator[str]:
+    """Every string in nested lists and dicts, keys included; iterative, since tools' schemas may nest deeply."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)

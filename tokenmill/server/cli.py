@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from tokenmill.server.config import API_KEY_ENV, PREFIX_CACHE_ISOLATION, ServerConfig
+from tokenmill.server.tool_parsers import TOOL_PARSERS
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -86,6 +87,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help=f"most logit_bias entries one request may give; more get 400 (default {d.max_logit_bias}, as OpenAI)",
     )
     server.add_argument(
+        "--max-prompt-logprobs-entries",
+        type=int,
+        default=d.max_prompt_logprobs_entries,
+        metavar="N",
+        help="most prompt logprobs one request may ask for with echo: (logprobs + 1) x prompt tokens, summed over "
+        f"its prompts (n does not multiply it); more get 400 (default {d.max_prompt_logprobs_entries})",
+    )
+    server.add_argument(
         "--limit-concurrency",
         type=int,
         default=None,
@@ -100,6 +109,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="a request's body must arrive within this many seconds of its headers, else 408 "
         f"(against slow clients; default {d.body_read_timeout_s:g})",
     )
+    server.add_argument(
+        "--header-read-timeout",
+        type=float,
+        default=d.header_read_timeout_s,
+        metavar="SECONDS",
+        help="a request's headers must arrive within this many seconds of the connection opening (or of its "
+        "first byte on a kept-alive connection), else 408 and close (against slow-loris clients; "
+        f"default {d.header_read_timeout_s:g})",
+    )
     server.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens accepted")
     server.add_argument("--max-prompt-tokens", type=int, default=None)
     server.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
@@ -108,6 +126,20 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         type=float,
         default=d.shutdown_timeout_s,
         help="on SIGTERM, seconds in-flight requests get to finish before they are aborted",
+    )
+    server.add_argument(
+        "--memory-pressure-threshold",
+        type=float,
+        default=d.memory_pressure_threshold,
+        help="answer new requests 503 (Retry-After) while the KV cache is at least this full AND the waiting "
+        "queue holds at least this share of the cache's capacity in prompt tokens; 0 or less: never",
+    )
+    server.add_argument(
+        "--max-engine-restarts",
+        type=int,
+        default=d.max_engine_restarts,
+        help="when the engine dies (its process killed, or model steps failing in a row), start a new one, at "
+        "most this many times per 10 minutes; requests with no output yet run again on it. 0: stay dead",
     )
     server.add_argument(
         "--request-timeout",
@@ -174,6 +206,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "per-key: salt every request with its API key, so that no key can hit, or time, another key's cached "
         "prompts (default: shared)",
     )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help='how to find tool calls in the text of tool_choice "auto" (the default when a request gives tools): '
+        "the format the model's chat template teaches it; hermes: <tool_call>{json}</tool_call> (Qwen2.5, Qwen3, "
+        'Hermes), llama3_json: {"name": ..., "parameters": ...} (Llama 3.1-3.3). Without it, "auto" gets 400; '
+        '"required" and named functions work without it',
+    )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=cmd_serve)
     return parser
@@ -206,8 +247,10 @@ def _server_config(args: argparse.Namespace, hosts: tuple[str, ...], origins: tu
         max_waiting_tokens=args.max_waiting_tokens,
         max_n=args.max_n,
         max_logit_bias=args.max_logit_bias,
+        max_prompt_logprobs_entries=args.max_prompt_logprobs_entries,
         limit_concurrency=args.limit_concurrency,
         body_read_timeout_s=args.body_read_timeout,
+        header_read_timeout_s=args.header_read_timeout,
         max_tokens=args.max_tokens_limit,
         max_prompt_tokens=args.max_prompt_tokens,
         max_body_bytes=args.max_body_bytes,
@@ -220,8 +263,11 @@ def _server_config(args: argparse.Namespace, hosts: tuple[str, ...], origins: tu
         max_failed_logins=args.max_failed_logins,
         prefix_cache_isolation=args.prefix_cache_isolation,
         engine_in_thread=args.engine_in_thread,
+        max_engine_restarts=args.max_engine_restarts,
+        memory_pressure_threshold=args.memory_pressure_threshold if args.memory_pressure_threshold > 0 else None,
         audit_log=args.audit_log,
         audit_log_content=args.audit_log_content,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -8,10 +8,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from tokenmill.engine.input_processor import PreparedRequest
 from tokenmill.outputs import CompletionOutput, TokenLogprobs
 from tokenmill.server import serving
 from tokenmill.server.config import ServerState
+from tokenmill.server.constraints import output_constraint
 from tokenmill.server.errors import APIError
+from tokenmill.server.prompts import check_prompt_size, tokenize
 from tokenmill.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -35,30 +38,10 @@ def _prompts(body: CompletionRequest) -> list[str | list[int]]:
 
 async def create_completion(state: ServerState, body: CompletionRequest, request: Request, key: str) -> Any:
     arrival = serving.monotonic()
-    state.check_model(body.model)
-    state.check_accepting()
-    if body.suffix:
-        raise APIError(400, "suffix is not supported.", "unsupported_parameter", "suffix")
-    prompts = _prompts(body)
-    serving.check_n(state, body.n, len(prompts))
-    serving.check_logit_bias(state, body.logit_bias)
     request_id = new_id("cmpl")
-    prepared = []
-    for i, prompt in enumerate(prompts):
-        try:
-            text, ids = state.engine.inputs.tokenize(prompt)
-        except ValueError as exc:
-            raise APIError(400, str(exc), "invalid_prompt", "prompt") from exc
-        default_max_tokens = state.default_max_tokens or DEFAULT_MAX_TOKENS
-        max_tokens = serving.resolve_max_tokens(state, body.max_tokens, len(ids), default_max_tokens)
-        prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
-        try:
-            params = serving.sampling_params(body, max_tokens, body.logprobs, prompt_lps, state.sampling_defaults)
-        except ValueError as exc:
-            raise APIError(400, str(exc), "invalid_request") from exc
-        priority, salt = state.priority(key, body.priority), state.cache_salt(key, body.cache_salt)
-        prepared.append(serving.prepare(state, f"{request_id}-{i}", text, ids, params, priority, salt))
-    job = serving.admit(state, key, prepared, arrival, body)
+    with state.limiter.charging_refusals(key):
+        prepared = await _prepare(state, body, key, request_id)
+        job = serving.admit(state, key, prepared, arrival, body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return serving.JobStreamingResponse(state, job, _stream(state, body, job, request_id, include_usage))
@@ -79,6 +62,37 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
             )
     response = CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=job.usage())
     return JSONResponse(response.model_dump(), headers=job.admission.headers)
+
+
+async def _prepare(state: ServerState, body: CompletionRequest, key: str, request_id: str) -> list[PreparedRequest]:
+    """The request's prompts as engine requests, validated (APIError 400 for anything wrong); every
+    prompt's length is checked before any is tokenized."""
+    state.check_model(body.model)
+    state.check_accepting()
+    if body.suffix:
+        raise APIError(400, "suffix is not supported.", "unsupported_parameter", "suffix")
+    prompts = _prompts(body)
+    serving.check_n(state, body.n, len(prompts))
+    serving.check_logit_bias(state, body.logit_bias)
+    for prompt in prompts:
+        check_prompt_size(state, prompt)
+    constraint = output_constraint(body)
+    prepared = []
+    for i, prompt in enumerate(prompts):
+        text, ids = await tokenize(state, prompt)
+        default_max_tokens = state.default_max_tokens or DEFAULT_MAX_TOKENS
+        max_tokens = serving.resolve_max_tokens(state, body.max_tokens, len(ids), default_max_tokens)
+        prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
+        try:
+            params = serving.sampling_params(
+                body, max_tokens, body.logprobs, prompt_lps, state.sampling_defaults, constraint
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_request") from exc
+        priority, salt = state.priority(key, body.priority), state.cache_salt(key, body.cache_salt)
+        prepared.append(await serving.prepare(state, f"{request_id}-{i}", text, ids, params, priority, salt))
+    serving.check_prompt_logprobs(state, prepared)
+    return prepared
 
 
 def _echo_text(state: ServerState, prompt_text: str | None, prompt_ids: list[int]) -> str:

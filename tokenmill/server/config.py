@@ -5,12 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.metrics.prometheus import ServerMetrics
 from tokenmill.server.errors import APIError
 from tokenmill.server.security import ApiKeys, LoginThrottle, RateLimiter
+from tokenmill.server.tool_parsers import TOOL_PARSERS, ToolParser
 
 API_KEY_ENV = "TOKENMILL_API_KEY"  # one key, or several separated by commas
 PREFIX_CACHE_ISOLATION = ("shared", "per-key")
@@ -34,6 +36,10 @@ class ServerConfig:
     max_waiting_tokens: int = 1 << 20
     max_n: int = 16
     max_logit_bias: int = 300  # logit_bias entries per request (OpenAI's cap too)
+    # Echo with logprobs: (logprobs + 1) entries per prompt token, summed over the prompts (n shares them).
+    # 2^20 lets a full 128k-token context through at OpenAI's top 5 (786,432) and a 48k one at our top 20,
+    # while one request cannot make the server build and send an unbounded pile of them.
+    max_prompt_logprobs_entries: int = 1 << 20
     max_tokens: int | None = None  # cap on max_tokens; None: max_model_len
     max_prompt_tokens: int | None = None  # None: max_model_len - 1
     max_prompts_per_request: int = 64  # completions with a list of prompts
@@ -43,6 +49,10 @@ class ServerConfig:
     request_timeout_s: float | None = None  # a request still running this long after arrival ends with a 504
     max_queue_time_s: float | None = None  # a request with no output yet this long after arrival ends with a 504
     engine_in_thread: bool = False  # run the engine core on a thread of the server process, not its own
+    max_engine_restarts: int = 5  # engine deaths restarted per 10 minutes; beyond (or 0) the engine stays dead
+    # New requests get 503 while both the KV cache's usage and the queued prompt tokens (as a share of the
+    # cache's capacity) are at least this; None: they always queue (up to --max-waiting-*)
+    memory_pressure_threshold: float | None = 0.95
     metrics_public: bool = False  # once API keys are set, /metrics needs one too unless this
     priority_keys: tuple[str, ...] = ()  # only these API keys' `priority` counts; others' count as 0
     # "shared": one prefix cache for all (a request's cache_salt still separates it); "per-key": every
@@ -53,6 +63,14 @@ class ServerConfig:
     audit_log_content: bool = False  # the audit lines carry prompts and outputs too
     limit_concurrency: int | None = None  # uvicorn answers 503 beyond this many open connections/tasks
     body_read_timeout_s: float | None = 30.0  # a request's body must arrive within this, else 408; None: no limit
+    # A request's headers must arrive within this of the connection opening (or of the request's first byte
+    # on a kept-alive one), else 408 and close. 20 s, Apache mod_reqtimeout's first deadline: headers are a few
+    # hundred bytes sent in one round trip, so even a slow link needs a fraction of it, and a slow-loris
+    # client must reconnect every 20 s instead of holding a socket forever.
+    header_read_timeout_s: float = 20.0
+    # How tool calls are found in free text (tool_choice "auto"): the format the model's chat template
+    # teaches it (tool_parsers.TOOL_PARSERS); None: "auto" is refused (400)
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
@@ -63,6 +81,7 @@ class ServerConfig:
             ("--request-timeout", self.request_timeout_s),
             ("--max-queue-time", self.max_queue_time_s),
             ("--body-read-timeout", self.body_read_timeout_s),
+            ("--header-read-timeout", self.header_read_timeout_s),
         ):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds")
@@ -70,6 +89,10 @@ class ServerConfig:
             raise ValueError("--limit-concurrency must be at least 1")
         if self.max_logit_bias < 0:
             raise ValueError("--max-logit-bias must not be negative")
+        if self.max_prompt_logprobs_entries < 0:
+            raise ValueError("--max-prompt-logprobs-entries must not be negative")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}")
 
     @property
     def tls(self) -> bool:
@@ -90,6 +113,12 @@ class ServerState:
     limiter: RateLimiter
     throttle: LoginThrottle = field(default_factory=LoginThrottle)
     draining: bool = False
+    # Tokenization and chat templating, off the event loop. One thread: the HF tokenizer keeps per-call
+    # settings (split_special_tokens) in shared state, so two encodes at once could let a user's text
+    # become control tokens.
+    prompt_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-prompts")
+    )
 
     @classmethod
     def create(cls, config: ServerConfig, engine: AsyncEngine) -> ServerState:
@@ -117,6 +146,11 @@ class ServerState:
         if self.config.prefix_cache_isolation != "per-key":
             return requested
         return "key:" + hashlib.sha256(json.dumps([key, requested]).encode()).hexdigest()
+
+    @property
+    def tool_parser(self) -> ToolParser | None:
+        name = self.config.tool_call_parser
+        return None if name is None else TOOL_PARSERS[name]
 
     @property
     def max_tokens(self) -> int:
@@ -150,7 +184,7 @@ class ServerState:
         if self.draining:
             raise APIError(503, "the server is shutting down; retry on another replica.", "shutting_down")
         if self.engine.is_dead:
-            raise APIError(503, "the engine has stopped; the server must be restarted.", "engine_dead")
+            raise APIError(503, "the engine has stopped (restarts spent); the server must be restarted.", "engine_dead")
 
 
 def default_model_name(engine: AsyncEngine) -> str:

@@ -19,9 +19,11 @@ import uvicorn
 
 from tokenmill.config import EngineArgs
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.restart_policy import RestartPolicy
 from tokenmill.loader.generation_config import describe_sampling_defaults
 from tokenmill.server.app import build_app
 from tokenmill.server.config import ServerConfig, ServerState
+from tokenmill.server.header_deadline import header_deadline_protocol
 from tokenmill.server.hosts import is_loopback
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,7 @@ def make_server(state: ServerState, log_level: str = "info") -> GracefulServer:
         ssl_ca_certs=c.ssl_ca_certs,
         ssl_cert_reqs=c.ssl_cert_reqs,
         limit_concurrency=c.limit_concurrency,
+        http=header_deadline_protocol(c.header_read_timeout_s),
     )
     return GracefulServer(config, state)
 
@@ -124,7 +127,12 @@ messages=[{{"role": "user", "content": "Hello!"}}]).choices[0].message.content)'
 
 def serve(engine_args: EngineArgs, config: ServerConfig, log_level: str = "info") -> None:
     """Load the model, then serve until SIGTERM / Ctrl-C."""
-    engine = AsyncEngine(engine_args, config.engine_stall_timeout_s, engine_process=not config.engine_in_thread)
+    engine = AsyncEngine(
+        engine_args,
+        config.engine_stall_timeout_s,
+        engine_process=not config.engine_in_thread,
+        restart_policy=RestartPolicy(max_restarts=config.max_engine_restarts),
+    )
     state = ServerState.create(config, engine)
     if config.host not in ("127.0.0.1", "localhost", "::1") and not state.keys.enabled:
         logger.warning(

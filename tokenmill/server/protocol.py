@@ -2,9 +2,12 @@
 
 Requests are validated strictly (a string is not an integer) and the schema states every bound the
 server checks on its own, so a body the schema allows is one the server can run. Unknown fields are
-ignored, as OpenAI's own API does. Extensions beyond OpenAI's fields follow vLLM: `top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `ignore_eos`, `priority`, `stop_token_ids`,
-`skip_special_tokens`, `include_stop_str_in_output`, `cache_salt`.
+ignored with one warning in the log per name (strict.py). OpenAI fields this server cannot honour
+(audio, predictions, web search, image parts) are declared, so that the handler refuses them by name.
+Extensions beyond OpenAI's fields follow vLLM: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+`ignore_eos`, `priority`, `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`,
+`cache_salt`, `structured_outputs` and its older names `guided_json`, `guided_regex`, `guided_choice`,
+`guided_grammar`.
 
 Sampling fields a request leaves out (None here) take the model's defaults from its
 generation_config.json (see `--generation-config`), then OpenAI's."""
@@ -20,6 +23,15 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from pydantic_core import PydanticCustomError
 
 from tokenmill.sampling_params import MAX_N
+from tokenmill.server.protocol_tools import (
+    MAX_TOOLS,
+    MessageToolCall,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    Tool,
+    ToolChoice,
+)
+from tokenmill.server.strict import StrictModel
 
 MAX_LOGPROBS = 20
 
@@ -52,10 +64,6 @@ Bias = Annotated[float, Field(ge=-100, le=100)]
 Seconds = Annotated[float, Field(gt=0, le=1e7)]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -83,11 +91,11 @@ def _lone_surrogate(data: object) -> str | None:
     return None
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(StrictModel):
     """Fields the completions and chat endpoints share."""
 
     model: str | None = Field(default=None, description="The served model's id (see /v1/models).")
@@ -131,6 +139,12 @@ class _SamplingFields(_Strict):
         max_length=1024,
         description="Prefix-cache namespace: only requests with the same salt share cached prompt blocks.",
     )
+    # vLLM's output constraints; at most one per request (response_format and tool_choice count too)
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = Field(default=None, description="structured_outputs.json (old name).")
+    guided_regex: str | None = Field(default=None, description="structured_outputs.regex (old name).")
+    guided_choice: list[str] | None = Field(default=None, description="structured_outputs.choice (old name).")
+    guided_grammar: str | None = Field(default=None, description="structured_outputs.grammar (old name).")
 
     @model_validator(mode="before")
     @classmethod
@@ -155,22 +169,42 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = Field(default=None, description="Not supported: must be absent or empty.")
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class MediaPart(StrictModel):
+    """An image, audio or file part: OpenAI's, refused here (400), since the models read text only."""
+
+    type: Literal["image_url", "input_audio", "file"]
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+
+
+ContentPart = Annotated[TextPart | MediaPart, Field(discriminator="type")]
+
+
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = Field(default=None, description="Text, or parts whose text is joined.")
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(default=None, description="An assistant message's tool calls.")
+    tool_call_id: str | None = Field(default=None, description="A tool message's answer to this call.")
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]], Field(max_length=16)
+]
+_REFUSED = "Not supported: 400 unless absent or null."
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -180,6 +214,27 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
+    response_format: ResponseFormat | None = Field(
+        default=None, description="text (no constraint), json_object, or json_schema."
+    )
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = Field(
+        default=None,
+        description='Default: "auto" with tools (needs --tool-call-parser), else "none". "required" and a named '
+        "function constrain the output to calls whose arguments follow the function's parameters schema.",
+    )
+    parallel_tool_calls: bool | None = Field(default=None, description="false: at most one tool call per choice.")
+    # OpenAI fields accepted and ignored: nothing is stored, and there is one service tier
+    store: bool | None = None
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    # OpenAI fields refused by name (chat.py)
+    audio: Any = Field(default=None, description=_REFUSED + " The models write text only.")
+    modalities: Any = Field(default=None, description='Only ["text"]; any other value is refused (400).')
+    prediction: Any = Field(default=None, description=_REFUSED)
+    web_search_options: Any = Field(default=None, description=_REFUSED)
+    functions: Any = Field(default=None, description="Deprecated by OpenAI and refused (400): use tools.")
+    function_call: Any = Field(default=None, description="Deprecated by OpenAI and refused (400): use tool_choice.")
 
 
 # ---------------------------------------------------------------------- responses
@@ -241,9 +296,30 @@ class ChatLogprobs(_Out):
     content: list[TokenLogprobEntry] | None = None
 
 
+class FunctionCall(_Out):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCall(_Out):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(_Out):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ToolCallDelta(_Out):
+    """A streamed tool call: id, type and name come in its first delta; arguments may come in pieces."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str] | None = None
 
 
 class ChatChoice(_Out):
@@ -266,6 +342,7 @@ class ChatCompletionResponse(_Out):
 class DeltaMessage(_Out):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Out):

@@ -4,7 +4,8 @@ throttle on failed logins per client address.
 Each limit is a token bucket holding one minute's budget that refills continuously, so a key may
 burst up to its per-minute limit and then runs at the limit's rate. A request is charged its
 prompt tokens plus its max_tokens (times n) when admitted; what it did not generate is refunded
-when it ends. Responses carry OpenAI's `x-ratelimit-*` headers."""
+when it ends. A request refused as invalid (400) is charged one request: validating it (tokenizing
+its prompt) costs work too. Responses carry OpenAI's `x-ratelimit-*` headers."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import hmac
 import math
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from tokenmill.server.errors import APIError
@@ -105,6 +108,27 @@ class RateLimiter:
 
     def acquire(self, key: str, num_tokens: int) -> Admission:
         """Charge one request and `num_tokens` to `key`, or raise a 429 APIError with Retry-After."""
+        buckets = self._available(key, num_tokens)
+        for _, bucket, amount in buckets:
+            bucket.level -= amount
+        return Admission(key, num_tokens, self._headers(buckets))
+
+    @contextmanager
+    def charging_refusals(self, key: str) -> Iterator[None]:
+        """Around a request's validation and admission: a 429 before any work once `key` has no request
+        left, and one request charged when the request is refused (400), so that a flood of invalid
+        requests is throttled like a flood of valid ones. An admitted request is charged by `acquire`."""
+        self._available(key, 0)
+        try:
+            yield
+        except APIError as exc:
+            if exc.status == 400 and self.requests_per_min is not None:
+                bucket = self._bucket(key, "requests", self.requests_per_min, time.monotonic())
+                bucket.level -= 1  # below zero after a concurrent flood: every one of them was served
+            raise
+
+    def _available(self, key: str, num_tokens: int) -> list[tuple[str, _Bucket, int]]:
+        """The buckets one request and `num_tokens` would be charged to; a 429 APIError if they cannot be."""
         now = time.monotonic()
         limits = [
             (kind, cap, amount)
@@ -133,9 +157,7 @@ class RateLimiter:
                 "rate_limit_exceeded",
                 headers=headers,
             )
-        for _, bucket, amount in buckets:
-            bucket.level -= amount
-        return Admission(key, num_tokens, self._headers(buckets))
+        return buckets
 
     def refund(self, key: str, num_tokens: int) -> None:
         """Give back tokens a request reserved but did not use."""

@@ -16,8 +16,14 @@ from fastapi.responses import StreamingResponse
 
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.input_processor import PreparedRequest
+from tokenmill.engine.token_texts import token_texts
 from tokenmill.outputs import RequestOutput, TokenLogprobs
-from tokenmill.sampling_params import OPENAI_SAMPLING_DEFAULTS, SamplingParams, with_defaults
+from tokenmill.sampling_params import (
+    OPENAI_SAMPLING_DEFAULTS,
+    SamplingParams,
+    StructuredOutputsParams,
+    with_defaults,
+)
 from tokenmill.server.audit import attach_job
 from tokenmill.server.config import ServerState
 from tokenmill.server.errors import ENGINE_FAILED_MESSAGE, INTERNAL_ERROR_MESSAGE, APIError, sse_error
@@ -34,9 +40,11 @@ def sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None,
     model_defaults: Mapping[str, float | int],
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams for one prompt of the request (ValueError -> 400). A sampling field
-    the request leaves out comes from the model's defaults (its generation_config.json), else OpenAI's."""
+    the request leaves out comes from the model's defaults (its generation_config.json), else OpenAI's.
+    `structured_outputs` is the request's output constraint (constraints.output_constraint)."""
     explicit = {
         "temperature": body.temperature,
         "top_p": body.top_p,
@@ -60,6 +68,7 @@ def sampling_params(
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        structured_outputs=structured_outputs,
     )
 
 
@@ -111,7 +120,28 @@ def check_logit_bias(state: ServerState, logit_bias: Mapping[Any, float] | None)
         )
 
 
-def prepare(
+def check_prompt_logprobs(state: ServerState, prepared: list[PreparedRequest]) -> None:
+    """Echo with logprobs returns up to k + 1 entries per prompt token (the top k and the prompt's own);
+    cap their total over the request's prompts. The n samples of a prompt share one computation of its
+    prompt logprobs, so n does not multiply it."""
+    entries = sum(
+        (p.params.prompt_logprobs + 1) * len(p.prompt_token_ids)
+        for p in prepared
+        if p.params.prompt_logprobs is not None
+    )
+    cap = state.config.max_prompt_logprobs_entries
+    if entries > cap:
+        raise APIError(
+            400,
+            f"echo with logprobs asks for {entries} prompt logprob entries ((logprobs + 1) x prompt tokens, "
+            f"summed over the prompts); this server allows at most {cap}. Ask for fewer logprobs, send shorter "
+            "or fewer prompts, or leave out echo.",
+            "prompt_logprobs_too_large",
+            "logprobs",
+        )
+
+
+async def prepare(
     state: ServerState,
     request_id: str,
     prompt_text: str | None,
@@ -120,10 +150,18 @@ def prepare(
     priority: int,
     cache_salt: str | None = None,
 ) -> PreparedRequest:
+    """The engine's checks of a tokenized request (400 on failure). A request with an output constraint
+    compiles its grammar here (the first one also builds the grammar library's view of the vocabulary):
+    that runs on the prompt thread, off the event loop, like tokenization."""
+    args = (request_id, prompt_text or prompt_ids, params, priority, prompt_ids, cache_salt)
     try:
-        return state.engine.prepare(request_id, prompt_text or prompt_ids, params, priority, prompt_ids, cache_salt)
-    except ValueError as exc:
-        raise APIError(400, str(exc), "invalid_request") from exc
+        if params.structured_outputs is None:
+            return state.engine.prepare(*args)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(state.prompt_pool, lambda: state.engine.prepare(*args))
+    except (ValueError, RecursionError) as exc:  # RecursionError: a schema nested beyond reason
+        message = str(exc) if isinstance(exc, ValueError) else "the output constraint is nested too deeply."
+        raise APIError(400, message, "invalid_request") from exc
 
 
 @dataclass
@@ -188,6 +226,7 @@ def admit(
             "queue_full",
             headers={"Retry-After": "1"},
         )
+    check_memory_pressure(state, waiting_tokens)
     reserved = sum(len(p.children) * (len(p.prompt_token_ids) + (p.params.max_tokens or 0)) for p in prepared)
     job = Job(prepared, state.limiter.acquire(key, reserved), arrival_time)
     cfg_timeout, cfg_queue = cfg.request_timeout_s, cfg.max_queue_time_s
@@ -199,8 +238,30 @@ def admit(
         job.streams = [state.engine.generate(p, arrival_time) for p in prepared]
     except EngineDeadError as exc:
         close(state, job)
-        raise APIError(503, "the engine has stopped; the server must be restarted.", "engine_dead") from exc
+        raise APIError(
+            503, "the engine has stopped (restarts spent); the server must be restarted.", "engine_dead"
+        ) from exc
     return job
+
+
+def check_memory_pressure(state: ServerState, waiting_tokens: int) -> None:
+    """503 with Retry-After while the KV cache is nearly full AND the queue already holds a nearly full
+    cache's worth of prompt tokens: a new request would wait for the whole cache to turn over at least
+    once, and every admission adds to the pressure that preempts running requests. A balancer (or
+    the client) does better sending it elsewhere or later. Below either bound, requests queue."""
+    threshold = state.config.memory_pressure_threshold
+    if threshold is None:
+        return
+    engine = state.engine
+    capacity = engine.num_blocks * engine.config.cache.block_size  # tokens the KV cache holds
+    if engine.snapshot.kv_cache_usage >= threshold and waiting_tokens >= threshold * capacity:
+        raise APIError(
+            503,
+            f"the server is under memory pressure (KV cache {engine.snapshot.kv_cache_usage:.0%} full, "
+            f"{waiting_tokens} prompt tokens waiting); retry shortly or on another replica.",
+            "memory_pressure",
+            headers={"Retry-After": "2"},
+        )
 
 
 def _tighter(server: float | None, requested: float | None) -> float | None:
@@ -391,7 +452,7 @@ def decoded(tokenizer: Any, token_id: int, entry: TokenLogprobs | None) -> str:
     lp = (entry or {}).get(token_id)
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
-    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+    return token_texts(tokenizer)[token_id] if tokenizer is not None else f"token_id:{token_id}"
 
 
 def finite(logprob: float) -> float:

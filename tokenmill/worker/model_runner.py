@@ -19,6 +19,8 @@ from tokenmill.sample.logprobs import compute_topk_logprobs, to_token_logprobs
 from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sample.sampler import Sampler
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.compiler import GrammarCompiler
+from tokenmill.structured.manager import StructuredOutputManager
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.input_batch import RunnerRequestState, StepBatch, build_step_batch
 from tokenmill.worker.model_interface import CausalLM
@@ -39,7 +41,9 @@ def kv_cache_bytes_per_block(config: EngineConfig) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, folder: Path | None, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self, config: EngineConfig, folder: Path | None, eos_token_ids: list[int], grammars: GrammarCompiler
+    ) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
@@ -55,6 +59,8 @@ class ModelRunner:
         self.fused_decode: FusedDecode | None = None
         self.fused_decode_off_reason = self._enable_fused_decode(module)
         self.sampler = Sampler()
+        # Matchers of the requests with structured_outputs, kept and dropped with their states.
+        self.structured = StructuredOutputManager(grammars, config.scheduler.max_num_seqs, self.device)
         # The last step's sampling metadata and the request states it was built for, reused while the
         # same requests sample in the same order and nothing in it can change (see _sampling_metadata).
         self._meta: SamplingMetadata | None = None
@@ -173,8 +179,11 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> list[RunnerRequestState]:
         for req_id in sched.finished_req_ids:
             self.states.pop(req_id, None)
+            self.structured.remove_request(req_id)
         for new in sched.new_requests:
             params = new.sampling_params
+            if params.structured_outputs is not None:
+                self.structured.add_request(new.req_id, params.structured_outputs, new.output_token_ids)
             self.states[new.req_id] = RunnerRequestState(
                 req_id=new.req_id,
                 num_prompt_tokens=len(new.prompt_token_ids),
@@ -219,6 +228,8 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, batch.attn_metadata)
 
     def _sample(self, hidden: torch.Tensor, batch: StepBatch, output: ModelRunnerOutput) -> None:
+        """Every forward path (a CUDA graph, the fused C++ decode stack, layer by layer) ends at the hidden
+        states: the LM head, a grammar's mask and sampling all run here, for every kind of step."""
         # Every row samples (a decode step): the rows are the logits' rows already, in order.
         rows = hidden if hidden.shape[0] == batch.logits_indices.numel() else hidden[batch.logits_indices]
         logits = self.model.compute_logits(rows)  # [num_sampled, vocab]
@@ -228,8 +239,11 @@ class ModelRunner:
                 seed = state.sampling_params.seed or 0
                 # Any Python int is a valid seed: fold it into the generator's 64 bits.
                 state.generator.manual_seed((seed * _SEED_STRIDE + len(state.token_ids)) % 2**64)
-        result = self.sampler(logits, self._sampling_metadata(states))
+        bitmask = self.structured.bitmask(batch.sample_req_ids)
+        result = self.sampler(logits, self._sampling_metadata(states), bitmask)
         sampled = result.sampled_token_ids.tolist()  # the step's one host sync for sampling
+        if bitmask is not None:
+            self.structured.accept(batch.sample_req_ids, sampled)
         for state, token in zip(states, sampled):
             state.token_ids.append(token)
             output.sampled_token_ids[state.req_id] = token
