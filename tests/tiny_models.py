@@ -77,7 +77,7 @@ def make_tiny_model(folder: Path, family: str, seed: int = 0, **overrides: Any) 
 
     spec = dict(FAMILIES[family]) | overrides
     model_type = spec.pop("model_type")
-    config = AutoConfig.for_model(model_type, **TINY, **spec)
+    config = AutoConfig.for_model(model_type, **(TINY | spec))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)

@@ -73,6 +73,78 @@ class SchedulerConfig:
             raise ValueError(f"unknown scheduling policy {self.policy!r}; use one of {SCHEDULING_POLICIES}.")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "model",
+    "disable_by_batch_size",
+)
+MAX_SPECULATIVE_TOKENS = 8  # the fused CPU decode stack takes queries of up to 1 + 8 tokens
+# Above this many running requests speculation switches itself off: a step of that many rows is bound by
+# arithmetic, not by reading the weights, so verifying k extra tokens per row costs nearly k times as
+# much. Measured on the embedded model (BENCHMARKS.md, "Speculative decoding").
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's keys: a proposer guesses up to `num_speculative_tokens` tokens
+    per step and the target model verifies them all in one forward pass. "ngram": prompt lookup over the
+    request's own tokens (the longest n-gram of prompt_lookup_max down to prompt_lookup_min tokens that
+    ends the sequence and occurred before; the tokens that followed it). "draft_model": a smaller model
+    with the target's vocabulary (`model`: a folder, .gguf file or preset)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; use one of {SPECULATIVE_METHODS}.")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}.")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}."
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError(
+                'speculative method "draft_model" needs "model": the draft\'s folder, .gguf file or preset.'
+            )
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError('speculative method "ngram" takes no "model"; use method "draft_model" for a draft.')
+        if self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}.")
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any]) -> SpeculativeConfig:
+        """From vLLM's dict shape; an unknown key or a missing method / k is a ValueError."""
+        unknown = sorted(set(spec) - set(SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {list(SPECULATIVE_KEYS)}.")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in spec:
+                raise ValueError(f"speculative_config needs {key!r}.")
+        values = dict(spec)
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            if key in values and (not isinstance(values[key], int) or isinstance(values[key], bool)):
+                raise ValueError(f"speculative_config {key!r} must be an integer, got {values[key]!r}.")
+        # As vLLM: one lookup bound given alone sets the other.
+        if "prompt_lookup_min" in values and "prompt_lookup_max" not in values:
+            values["prompt_lookup_max"] = max(values["prompt_lookup_min"], cls.prompt_lookup_max)
+        if "prompt_lookup_max" in values and "prompt_lookup_min" not in values:
+            values["prompt_lookup_min"] = min(values["prompt_lookup_max"], cls.prompt_lookup_min)
+        return cls(**values)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -81,6 +153,7 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"  # "auto" | "torch_ref" | "cpu"
     enforce_eager: bool = False  # True: no CUDA graphs, no fused CPU decode stack
+    speculative: SpeculativeConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -112,6 +185,8 @@ class EngineArgs:
     # Where requests' sampling defaults come from (as vLLM's --generation-config): "auto" the model folder's
     # generation_config.json, "vllm" none (OpenAI's defaults), or a folder holding a generation_config.json.
     generation_config: str = "auto"
+    # Speculative decoding in vLLM's dict shape (SpeculativeConfig's keys), or a SpeculativeConfig; None: off.
+    speculative_config: dict[str, Any] | SpeculativeConfig | None = None
 
 
 def resolve_kv_cache_dtype(

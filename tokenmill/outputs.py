@@ -51,6 +51,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests that ended (finished, aborted or preempted) since the last step: the runner drops them.
     finished_req_ids: set[str] = field(default_factory=set)
+    # req_id -> the draft tokens it verifies this step (speculative decoding): the last
+    # len(drafts) of its num_scheduled_tokens, after its last committed token.
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -59,12 +62,16 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    # Only requests whose prompt is fully computed get a token; a partial prefill chunk samples nothing.
-    sampled_token_ids: dict[str, int]
-    # req_id -> top-k logprobs of the sampled position (the sampled token always included).
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Only requests whose prompt is fully computed get tokens; a partial prefill chunk samples nothing.
+    # One token per request, or with draft tokens: the accepted drafts then the target's own token
+    # (the correction at the first rejection, or a bonus token when every draft was accepted).
+    sampled_token_ids: dict[str, list[int]]
+    # req_id -> top-k logprobs of each sampled position (the sampled token always included).
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # req_id -> one entry per prompt position computed this step (None for the first prompt token).
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    # req_id -> draft tokens proposed for its next step (speculative decoding); the scheduler may cut them.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,6 +82,9 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    # Speculative decoding: draft tokens verified for this request, and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -111,7 +121,7 @@ class EngineCoreOutput:
 
     req_id: str
     new_token_ids: list[int]
-    new_logprobs: TokenLogprobs | None = None
+    new_logprobs: list[TokenLogprobs] | None = None  # one entry per new token
     new_prompt_logprobs: list[TokenLogprobs | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -75,7 +75,9 @@ def test_abort_and_stop_commands() -> None:
 def test_step_event_keeps_outputs_logprobs_snapshot_and_timings() -> None:
     lps = {5: Logprob(-0.25, 1), 9: Logprob(-1.5, 2)}
     outputs = [
-        EngineCoreOutput("a", [5], new_logprobs=lps, new_prompt_logprobs=[None, {3: Logprob(-2.0, 4)}]),
+        EngineCoreOutput(
+            "a", [5, 9], new_logprobs=[lps, {9: Logprob(-0.5, 1)}], new_prompt_logprobs=[None, {3: Logprob(-2.0, 4)}]
+        ),
         EngineCoreOutput("b", [], finish_reason="stop", stop_reason=2, error=None),
         EngineCoreOutput("c", [], finish_reason="error", error="boom"),
     ]

@@ -221,3 +221,14 @@ def test_free_puts_a_request_tail_block_first_in_line_for_eviction() -> None:
 def test_block_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="block_size"):
         KVCacheManager(num_blocks=4, block_size=0)
+
+
+def test_lookahead_slots_are_allocated_but_never_cached_before_they_are_computed() -> None:
+    """A draft model's lookahead past a prefill chunk must not index the prompt blocks the chunk has
+    not computed yet: another request would hit blocks whose KV is unwritten."""
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    request = make_request("a", PROMPT_10)
+    block_ids = kv.allocate_slots(request, 3, num_lookahead_tokens=4)  # a chunk of 3 tokens, 4 lookahead
+    assert block_ids is not None and len(block_ids) == 2  # 7 slots
+    other = make_request("b", PROMPT_10)
+    assert kv.get_computed_blocks(other) == ([], 0)  # block 0 (tokens 0-3) is not computed yet

@@ -90,7 +90,7 @@ class FakeRunner:
             state = self.states[cached.req_id]
             assert state.num_computed_tokens == cached.num_computed_tokens
             state.block_ids += cached.new_block_ids
-        sampled: dict[str, int] = {}
+        sampled: dict[str, list[int]] = {}
         for req_id, n in out.num_scheduled_tokens.items():
             state = self.states[req_id]
             state.num_computed_tokens += n
@@ -99,7 +99,7 @@ class FakeRunner:
             if state.num_computed_tokens == len(state.token_ids):
                 token = self.sample(len(state.token_ids) - state.num_prompt_tokens)
                 state.token_ids.append(token)
-                sampled[req_id] = token
+                sampled[req_id] = [token]
         return ModelRunnerOutput(sampled)
 
 

@@ -3,12 +3,15 @@
 Over a bf16 or int8 cache on a CPU with AVX-512 BF16, every row of a step (decode rows and prompt chunks, a
 cached prefix included) goes to one call of our C++ paged-attention kernel, which reads the KV blocks
 in place; such a cache holds its blocks in the kernel's pair layout (attention/pair_layout.py), which
-our C++ write_kv writes. Otherwise decode rows go to the C++ paged-decode kernel (float32 or bf16
-cache), or where it cannot be built (or off CPU) to one SDPA call over gathered, padded contexts;
-prompt chunks run one request at a time through SDPA, with the plain causal kernel when there is no
-cached prefix."""
+our C++ write_kv writes. Otherwise the rows of requests with short queries (decode rows, speculative
+decoding's verification steps: up to SHORT_QUERY_LEN tokens) go to the C++ paged-decode kernel (float32
+or bf16 cache) as one row per token, in one call, or where it cannot be built (or off CPU) to one SDPA
+call over gathered, padded contexts; longer prompt chunks run one request at a time through SDPA, with
+the plain causal kernel when there is no cached prefix."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +20,45 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.pair_layout import cache_row_width
 from tokenmill.attention.torch_ref import gather_context, write_kv
 from tokenmill.ops import build
+
+# Requests with up to this many query tokens attend as rows of one paged-decode call (TokenRows): a
+# verification step's 1 + k tokens, k up to 8 draft tokens. Longer chunks go to SDPA one by one.
+SHORT_QUERY_LEN = 9
+
+
+class TokenRows(NamedTuple):
+    """A step's short-query requests as one query row per token, the form paged decode takes: each
+    row has its request's block table and a context up to and including its own token (causal)."""
+
+    rows: torch.Tensor  # [n] int64: the tokens' rows in the step
+    block_tables: torch.Tensor  # [n, max_blocks] int32: each row's request's table
+    seq_lens: torch.Tensor  # [n] int32: each row's context, its own token the last
+    max_seq_len: int
+    long_reqs: list[int]  # the requests with longer queries (SDPA, one at a time)
+
+
+def token_rows(meta: AttentionMetadata) -> TokenRows:
+    qsl = meta.query_start_loc_cpu
+    rows: list[int] = []
+    reqs: list[int] = []
+    lens: list[int] = []
+    long_reqs: list[int] = []
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        start, end = qsl[i], qsl[i + 1]
+        if end - start > SHORT_QUERY_LEN:
+            long_reqs.append(i)
+            continue
+        rows.extend(range(start, end))
+        reqs.extend([i] * (end - start))
+        lens.extend(seq_len - (end - row) + 1 for row in range(start, end))
+    device = meta.block_tables.device
+    return TokenRows(
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        block_tables=meta.block_tables[torch.tensor(reqs, dtype=torch.int64, device=device)],
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        max_seq_len=max(lens, default=0),
+        long_reqs=long_reqs,
+    )
 
 
 class SDPABackend:
@@ -27,6 +69,8 @@ class SDPABackend:
         self._kernels = build.load("paged_decode") if use_cpp_kernels and device.type == "cpu" else None
         if self._kernels is not None:
             self.name = "cpu"
+        # The last step's TokenRows: every layer of a step gets the same metadata object.
+        self._token_rows: tuple[AttentionMetadata, TokenRows] | None = None
 
     def serves_int8_cache(self, block_size: int, num_kv_heads: int, head_dim: int) -> bool:
         """Whether this backend reads an int8 cache of these shapes (only the AVX-512 BF16 kernel does)."""
@@ -51,23 +95,23 @@ class SDPABackend:
         if meta.is_all_decode:
             return self._decode_rows(q, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
         out = torch.empty_like(q)
-        qsl = meta.query_start_loc_cpu
-        decode_reqs = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
-        if decode_reqs:
-            rows = torch.tensor([qsl[i] for i in decode_reqs], device=q.device)
-            reqs = torch.tensor(decode_reqs, device=q.device)
-            max_len = max(meta.seq_lens_cpu[i] for i in decode_reqs)
-            out[rows] = self._decode_rows(
-                q[rows], kv_cache, meta.block_tables[reqs], meta.seq_lens[reqs], max_len, scale
+        short = self._rows_of(meta)
+        if short.rows.numel():
+            out[short.rows] = self._decode_rows(
+                q[short.rows], kv_cache, short.block_tables, short.seq_lens, short.max_seq_len, scale
             )
-        for i, seq_len in enumerate(meta.seq_lens_cpu):
+        qsl = meta.query_start_loc_cpu
+        for i in short.long_reqs:
             start, end = qsl[i], qsl[i + 1]
-            if end - start == 1:
-                continue
             out[start:end] = self._prefill(
-                q[start:end], k[start:end], v[start:end], kv_cache, meta.block_tables[i], seq_len, scale
+                q[start:end], k[start:end], v[start:end], kv_cache, meta.block_tables[i], meta.seq_lens_cpu[i], scale
             )
         return out
+
+    def _rows_of(self, meta: AttentionMetadata) -> TokenRows:
+        if self._token_rows is None or self._token_rows[0] is not meta:
+            self._token_rows = (meta, token_rows(meta))
+        return self._token_rows[1]
 
     def _decode_rows(
         self,

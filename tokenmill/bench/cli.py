@@ -2,6 +2,8 @@
 
     tokenmill bench throughput --workload random-cpu --dtype bfloat16 --output-json results.json
     tokenmill bench throughput --workload random-cpu --static-batching --max-num-seqs 16
+    tokenmill bench throughput --workload copy-edit --max-num-seqs 1 \
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' --output-json spec.json
     tokenmill bench setup-peer llamacpp
     tokenmill bench compare --workload random-cpu --peers vllm,llamacpp,ct2,hf --repeat 3 --plot compare.png
     tokenmill bench serve --base-url http://127.0.0.1:8000 --workload random-cpu --request-rate inf
@@ -13,6 +15,7 @@ Each subcommand registers itself in `add_bench_parser`; `bench` has its own subp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -81,7 +84,7 @@ def cmd_throughput(args: argparse.Namespace) -> None:
     from tokenmill import LLM
     from tokenmill.bench.datasets import check_fits, make_workload
     from tokenmill.bench.throughput import run_throughput
-    from tokenmill.engine.engine_args import engine_kwargs
+    from tokenmill.engine.engine_args import describe_speculative, engine_kwargs
 
     llm = LLM(args.model, **engine_kwargs(args))
     requests = make_workload(
@@ -91,11 +94,13 @@ def cmd_throughput(args: argparse.Namespace) -> None:
         num_requests=args.num_prompts,
         max_prompt_len=args.max_prompt_len,
         max_output_len=args.max_output_len,
+        tokenizer=llm.get_tokenizer(),
     )
     check_fits(requests, llm.config.model.max_model_len)
     result = run_throughput(llm, requests, args.static_batching, args.max_num_seqs, use_tqdm=args.progress)
     mode = f"static batches of {args.max_num_seqs}" if args.static_batching else "continuous batching"
-    print(f"\n{args.workload}: {mode}, {engine_config(llm)['dtype']}, {llm.config.model.model}")
+    spec = describe_speculative(llm.config.speculative)
+    print(f"\n{args.workload}: {mode}, {engine_config(llm)['dtype']}, {llm.config.model.model}, speculative {spec}")
     print(format_result(result))
     if llm.engine.runner.cuda_graph_capture_s is not None:  # before the timed window, not in it
         print(f"  CUDA graph capture took {llm.engine.runner.cuda_graph_capture_s:.2f} s at startup")
@@ -134,6 +139,13 @@ def format_result(result: ThroughputResult) -> str:
         ("preemptions", f"{result.num_preemptions}"),
         ("engine steps", f"{result.num_steps}"),
     ]
+    if result.speculative:
+        rows += [
+            ("draft / accepted tokens", f"{result.spec_num_draft_tokens} / {result.spec_num_accepted_tokens}"),
+            ("acceptance rate", f"{result.acceptance_rate:.1%}"),
+            ("mean accepted length", f"{result.mean_accepted_length:.2f} tokens per verifying step"),
+        ]
+    rows.append(("outputs sha256", result.outputs_sha256[:16]))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
 
@@ -191,5 +203,6 @@ def engine_config(llm: LLM) -> dict[str, Any]:
         "quantization": config.model.quantization,
         "weight_dtype": config.model.weight_dtype or config.model.dtype,
         "enforce_eager": config.enforce_eager,
+        "speculative_config": None if config.speculative is None else dataclasses.asdict(config.speculative),
         "cuda_graph_capture_s": llm.engine.runner.cuda_graph_capture_s,  # None: no graphs (CPU, eager)
     }

@@ -14,7 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from tokenmill.bench.datasets import WORKLOADS
+from tokenmill.bench.datasets import TOKEN_WORKLOADS
 from tokenmill.bench.peers import PEERS
 
 
@@ -59,7 +59,7 @@ def add_compare_parser(subparsers: argparse._SubParsersAction) -> None:
         "reports median output/total tok/s of --repeat runs, the ratio to tokenmill and the fraction "
         "of this machine's roofline. Peers not set up are skipped with a note.",
     )
-    parser.add_argument("--workload", default="random-cpu", choices=list(WORKLOADS))
+    parser.add_argument("--workload", default="random-cpu", choices=TOKEN_WORKLOADS)
     parser.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of {','.join(PEERS)}")
     parser.add_argument("--model", default=None, help="HF folder or preset name (default: embedded SmolLM2-135M)")
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | int8 (q8_0 / int8 peers)")

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from tokenmill.bench.datasets import WORKLOADS, BenchRequest, make_workload
+from tokenmill.bench.datasets import TOKEN_WORKLOADS, BenchRequest, make_workload
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 
@@ -251,7 +251,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (without /v1)")
     parser.add_argument("--model", default=None, help="model id to send (default: the server's first model)")
     parser.add_argument("--api-key", default=None, help="sent as a Bearer token (default: $TOKENMILL_API_KEY)")
-    parser.add_argument("--workload", default="random-cpu", choices=list(WORKLOADS))
+    parser.add_argument("--workload", default="random-cpu", choices=TOKEN_WORKLOADS)
     parser.add_argument("--num-prompts", type=int, default=None, help="override the workload's request count")
     parser.add_argument("--max-prompt-len", type=int, default=None)
     parser.add_argument("--max-output-len", type=int, default=None)

@@ -10,6 +10,7 @@ requests, each finishing completely before the next starts: the baseline continu
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,9 +41,33 @@ class ThroughputResult:
     num_steps: int
     static_batching: bool
     batch_size: int | None  # requests per batch with static batching; None for continuous
+    # sha256 of each request's generated text (its first sample), in request order, and of them all: a
+    # script compares these across runs (greedy texts must not change when speculation is on).
+    output_text_sha256: list[str]
+    outputs_sha256: str
+    # Speculative decoding over the timed window (all 0 when off): request-steps that verified drafts,
+    # draft tokens verified, and those accepted.
+    speculative: bool = False
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / draft tokens."""
+        return _ratio(self.spec_num_accepted_tokens, self.spec_num_draft_tokens)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verifying step, the target's own token included: 1 + accepted / drafts (vLLM's)."""
+        return 1.0 + _ratio(self.spec_num_accepted_tokens, self.spec_num_drafts)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if self.speculative:
+            data["acceptance_rate"] = self.acceptance_rate
+            data["mean_accepted_length"] = self.mean_accepted_length
+        return data
 
 
 @dataclass(frozen=True)
@@ -57,6 +82,9 @@ class _EngineCounters:
     prefix_hits: int
     decode_tokens: int
     decode_seconds: float
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
 
     @classmethod
     def read(cls, llm: LLM) -> _EngineCounters:
@@ -70,6 +98,9 @@ class _EngineCounters:
             cache.hits,
             decode.tokens,
             decode.seconds,
+            sched.spec.num_drafts,
+            sched.spec.num_draft_tokens,
+            sched.spec.num_accepted_tokens,
         )
 
     def __sub__(self, other: _EngineCounters) -> _EngineCounters:
@@ -123,6 +154,7 @@ def run_throughput(
         raise RuntimeError(f"{len(failed)} of {len(outputs)} requests failed; first: {failed[0].error}")
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    text_hashes = [hashlib.sha256(o.outputs[0].text.encode()).hexdigest() for o in outputs]
     return ThroughputResult(
         num_requests=len(outputs),
         prompt_tokens=prompt_tokens,
@@ -138,6 +170,12 @@ def run_throughput(
         num_steps=delta.num_steps,
         static_batching=static_batching,
         batch_size=batch_size if static_batching else None,
+        output_text_sha256=text_hashes,
+        outputs_sha256=hashlib.sha256("".join(text_hashes).encode()).hexdigest(),
+        speculative=llm.config.speculative is not None,
+        spec_num_drafts=delta.spec_drafts,
+        spec_num_draft_tokens=delta.spec_draft_tokens,
+        spec_num_accepted_tokens=delta.spec_accepted_tokens,
     )
 
 

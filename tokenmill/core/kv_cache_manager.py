@@ -86,15 +86,22 @@ class KVCacheManager:
         self.stats.hits += num_hit_tokens
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[Block] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[Block] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
-        """Make room for `num_new_tokens` more tokens; returns the ids of blocks added to the request's
-        table (cache hits first), or None when the pool cannot supply them (nothing is changed then)."""
+        """Make room for `num_new_tokens` more tokens, and `num_lookahead_tokens` slots past them (a draft
+        model's, not computed this step); returns the ids of blocks added to the request's table (cache
+        hits first), or None when the pool cannot supply them (nothing is changed then)."""
         computed_blocks = computed_blocks or []
         blocks = self.req_blocks.setdefault(request.req_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total_tokens = num_computed + num_new_tokens
-        num_new_blocks = self.blocks_needed(total_tokens) - len(blocks) - len(computed_blocks)
+        num_new_blocks = (
+            self.blocks_needed(total_tokens + num_lookahead_tokens) - len(blocks) - len(computed_blocks)
+        )
         # Cache hits sitting in the free queue are taken out of it, so they count against the budget.
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if max(num_new_blocks, 0) + num_evictable_hits > self.pool.num_free_blocks:

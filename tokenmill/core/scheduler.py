@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tokenmill.config import SchedulerConfig
+from tokenmill.config import SchedulerConfig, SpeculativeConfig
+from tokenmill.core.block_pool import Block
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import make_queue
@@ -18,9 +19,30 @@ from tokenmill.outputs import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    TokenLogprobs,
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecDecodingStats:
+    """Cumulative speculative-decoding counts (vLLM's spec_decode_* metrics)."""
+
+    num_drafts: int = 0  # request-steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # [i]: drafts whose token at position i (0-based) was accepted
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft:
+            self.accepted_per_pos.extend([0] * (num_draft - len(self.accepted_per_pos)))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
 
 
 @dataclass
@@ -31,6 +53,7 @@ class SchedulerStats:
     # Summed over steps, for the KV-slot utilisation (real tokens / allocated slots).
     kv_slots_used: int = 0
     kv_slots_allocated: int = 0
+    spec: SpecDecodingStats = field(default_factory=SpecDecodingStats)
 
     @property
     def kv_slot_utilization(self) -> float:
@@ -64,9 +87,16 @@ class AdmissionLimits:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, speculative: SpeculativeConfig | None = None
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.speculative = speculative
+        # A draft model writes its drafts' KV past the tokens a step computes: reserve room for them.
+        self.num_lookahead_tokens = (
+            speculative.num_speculative_tokens if speculative is not None and speculative.method == "draft_model" else 0
+        )
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -117,18 +147,40 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         ended = self._ended_since_last_step
         self._ended_since_last_step = set()
 
-        budget, preempted = self._schedule_running(budget, num_scheduled, cached_reqs, ended)
+        budget, preempted = self._schedule_running(budget, num_scheduled, spec_tokens, cached_reqs, ended)
         if not preempted:
             self._schedule_waiting(budget, num_scheduled, new_reqs)
 
         total = sum(num_scheduled.values())
         self._record_step(num_scheduled, total)
-        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, total, ended)
+        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, total, ended, spec_tokens)
+
+    @property
+    def speculating(self) -> bool:
+        """Whether running requests verify drafts: speculation is configured and the batch is small
+        enough for it to pay (disable_by_batch_size)."""
+        spec = self.speculative
+        return spec is not None and len(self.running) <= spec.disable_by_batch_size
+
+    def _drafts_to_verify(self, request: Request, budget: int) -> list[int]:
+        """The request's proposed drafts, cut so that the step fits the budget, the output never passes
+        max_tokens (the last draft's step also emits one token of its own) and the sequence never
+        passes max_model_len; none while its prompt is still being computed."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts or not self.speculating or request.num_computed_tokens + 1 != request.num_tokens:
+            return []
+        room = min(
+            budget - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.config.max_model_len - request.num_tokens,
+        )
+        return drafts[: max(room, 0)]
 
     def _victim_key(self, request: Request) -> tuple[int, float]:
         priority = request.priority if self.config.policy == "priority" else 0
@@ -138,6 +190,7 @@ class Scheduler:
         self,
         budget: int,
         num_scheduled: dict[str, int],
+        spec_tokens: dict[str, list[int]],
         cached_reqs: list[CachedRequestData],
         ended: set[str],
     ) -> tuple[int, bool]:
@@ -147,8 +200,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_block_ids = self.kv_cache.allocate_slots(request, num_new)
+            # Draft tokens are scheduled tokens of the request: their KV slots are allocated with the rest.
+            drafts = self._drafts_to_verify(request, budget)
+            num_new = min(request.num_tokens + len(drafts) - request.num_computed_tokens, budget)
+            new_block_ids = self._allocate_with_lookahead(request, num_new)
+            if new_block_ids is None and drafts:  # drafts are optional: never preempt anyone for them
+                drafts, num_new = [], num_new - len(drafts)
+                new_block_ids = self.kv_cache.allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = self.running.pop()
                 self._preempt(victim, ended)
@@ -159,15 +217,29 @@ class Scheduler:
             if new_block_ids is None:
                 break
             num_scheduled[request.req_id] = num_new
+            if drafts:
+                spec_tokens[request.req_id] = drafts
             cached_reqs.append(CachedRequestData(request.req_id, new_block_ids, request.num_computed_tokens))
             budget -= num_new
             i += 1
         return budget, preempted
 
+    def _allocate_with_lookahead(
+        self, request: Request, num_new: int, computed_blocks: list[Block] | None = None
+    ) -> list[int] | None:
+        """allocate_slots, with the draft model's lookahead slots while speculating if the pool has
+        them; the lookahead alone never fails an allocation (the draft then proposes fewer)."""
+        if self.num_lookahead_tokens and self.speculating:
+            block_ids = self.kv_cache.allocate_slots(request, num_new, computed_blocks, self.num_lookahead_tokens)
+            if block_ids is not None:
+                return block_ids
+        return self.kv_cache.allocate_slots(request, num_new, computed_blocks)
+
     def _preempt(self, request: Request, ended: set[str]) -> None:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.prepend(request)
@@ -188,7 +260,7 @@ class Scheduler:
                 continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget)
-            new_block_ids = self.kv_cache.allocate_slots(request, num_new, computed_blocks)
+            new_block_ids = self._allocate_with_lookahead(request, num_new, computed_blocks)
             if new_block_ids is None:
                 break  # the pool is full: wait for running requests to finish
             self.waiting.pop()
@@ -236,24 +308,49 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += n
             prompt_lps = runner_output.prompt_logprobs.get(req_id)
-            token = runner_output.sampled_token_ids.get(req_id)
-            if token is None:
+            tokens = runner_output.sampled_token_ids.get(req_id)
+            if not tokens:
                 if prompt_lps:
                     outputs.append(EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_lps))
                 continue
+            drafts = scheduler_output.scheduled_spec_tokens.get(req_id)
+            if drafts:
+                self._count_drafts(request, len(drafts), len(tokens) - 1)
+                # Rejected drafts: their KV slots stay allocated and are written over later.
+                request.num_computed_tokens -= len(drafts) + 1 - len(tokens)
+            outputs.append(self._append_tokens(request, tokens, runner_output, prompt_lps, now))
+            if not request.is_finished:
+                request.spec_token_ids = runner_output.spec_token_ids.get(req_id, [])
+        return outputs
+
+    def _count_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_tokens += num_accepted
+        self.stats.spec.record(num_drafts, num_accepted)
+
+    def _append_tokens(
+        self,
+        request: Request,
+        tokens: list[int],
+        runner_output: ModelRunnerOutput,
+        prompt_lps: list[TokenLogprobs | None] | None,
+        now: float,
+    ) -> EngineCoreOutput:
+        """Append a step's tokens one by one, stopping at the first that ends the request: nothing
+        after a stop token (or past max_tokens) is emitted."""
+        if request.first_token_time is None:
+            request.first_token_time = now
+        out = EngineCoreOutput(request.req_id, [], new_prompt_logprobs=prompt_lps)
+        for token in tokens:
             request.output_token_ids.append(token)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            out = EngineCoreOutput(
-                req_id,
-                [token],
-                new_logprobs=runner_output.logprobs.get(req_id),
-                new_prompt_logprobs=prompt_lps,
-            )
+            out.new_token_ids.append(token)
             status = request.check_stop(token)
             if status is not None:
                 out.finish_reason = status.value
                 out.stop_reason = request.stop_reason
-                self.finish_request(req_id, status)
-            outputs.append(out)
-        return outputs
+                self.finish_request(request.req_id, status)
+                break
+        logprobs = runner_output.logprobs.get(request.req_id)
+        if logprobs is not None:
+            out.new_logprobs = logprobs[: len(out.new_token_ids)]
+        return out

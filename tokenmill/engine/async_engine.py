@@ -94,6 +94,8 @@ class RequestStream:
             finished_time=max((c.finished_time or 0.0) for c in self.children) or None,
             num_preemptions=sum(c.num_preemptions for c in self.children),
             num_cached_tokens=first.num_cached_tokens,
+            num_draft_tokens=sum(c.num_draft_tokens for c in self.children),
+            num_accepted_tokens=sum(c.num_accepted_tokens for c in self.children),
         )
 
 

@@ -102,6 +102,7 @@ class CoreLoop:
 
     def _snapshot(self, num_step_tokens: int) -> EngineSnapshot:
         sched, kv = self.core.scheduler, self.core.kv_cache
+        spec = sched.stats.spec
         return EngineSnapshot(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
@@ -113,4 +114,8 @@ class CoreLoop:
             prefix_cache_hits=kv.stats.hits,
             num_step_tokens=num_step_tokens,
             last_add_seq=self.last_seq,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(spec.accepted_per_pos),
         )

@@ -153,10 +153,11 @@ def decode_event(data: bytes) -> Event:
 
 def _encode_output(o: EngineCoreOutput, timings: RequestTimings | None) -> Fields:
     prompt_lps = None if o.new_prompt_logprobs is None else [_encode_logprobs(e) for e in o.new_prompt_logprobs]
+    lps = None if o.new_logprobs is None else [_encode_logprobs(e) for e in o.new_logprobs]
     return [
         o.req_id,
         o.new_token_ids,
-        _encode_logprobs(o.new_logprobs),
+        lps,
         prompt_lps,
         o.finish_reason,
         o.stop_reason,
@@ -168,7 +169,8 @@ def _encode_output(o: EngineCoreOutput, timings: RequestTimings | None) -> Field
 def _decode_output(fields: Fields) -> tuple[EngineCoreOutput, RequestTimings | None]:
     req_id, tokens, lps, prompt_lps, finish_reason, stop_reason, error, timings = fields
     prompt = None if prompt_lps is None else [_decode_logprobs(e) for e in prompt_lps]
-    output = EngineCoreOutput(req_id, tokens, _decode_logprobs(lps), prompt, finish_reason, stop_reason, error)
+    new_lps = None if lps is None else [e for e in map(_decode_logprobs, lps) if e is not None]
+    output = EngineCoreOutput(req_id, tokens, new_lps, prompt, finish_reason, stop_reason, error)
     return output, None if timings is None else RequestTimings(*timings)
 
 

@@ -73,6 +73,7 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop_str_in_output
         self.output_text = ""
         self.stop_str: str | None = None
+        self.num_used = 0  # tokens of the last update() that made it into the text
         self._num_sent = 0  # characters of output_text already returned by get_next_delta
         # Context tokens, then output tokens. Text exists for ids[:read_offset]; the window starts
         # at prefix_offset, and prefix_text is the decoded ids[prefix_offset:read_offset].
@@ -88,18 +89,21 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int]) -> str | None:
         """Appends generated tokens; returns the stop string they completed, else None.
 
-        After a match `output_text` is final and the tokens after the matching one are ignored.
+        After a match `output_text` is final and the tokens after the matching one are ignored:
+        `num_used` says how many of `new_token_ids` it took (all of them without a match).
         """
         if self.stop_str is not None:
             raise RuntimeError(f"update() called after stop string {self.stop_str!r} ended the sequence.")
-        for token_id in new_token_ids:
+        for i, token_id in enumerate(new_token_ids):
             self._ids.append(token_id)
             window_text = self._decode(self._ids[self._prefix_offset :])
             has_new_chars = len(window_text) > len(self._prefix_text)
             complete = has_new_chars and not window_text.endswith(_REPLACEMENT_CHAR)
             held_too_long = len(self._ids) - self._read_offset >= _MAX_HELD_TOKENS
             if (complete or held_too_long) and self._release(window_text) is not None:
+                self.num_used = i + 1
                 return self.stop_str
+        self.num_used = len(new_token_ids)
         return None
 
     def get_next_delta(self, final: bool) -> str:

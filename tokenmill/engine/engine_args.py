@@ -4,6 +4,7 @@ the machine into a frozen `EngineConfig`."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from typing import Any
 
@@ -15,6 +16,7 @@ from tokenmill.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     resolve_kv_cache_dtype,
 )
 from tokenmill.loader.generation_config import describe_sampling_defaults, load_sampling_defaults
@@ -66,10 +68,58 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
         policy=args.scheduling_policy,
     )
     config = EngineConfig(
-        model, cache, scheduler, args.device, args.attention_backend, enforce_eager=args.enforce_eager
+        model,
+        cache,
+        scheduler,
+        args.device,
+        args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        speculative=resolve_speculative(args.speculative_config),
     )
     logger.info("%s", describe_sampling_defaults(model.generation_config, model.sampling_defaults))
     return config, source
+
+
+def resolve_speculative(spec: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+    """EngineArgs.speculative_config as a checked SpeculativeConfig (None: speculation off); a ValueError
+    names what is wrong."""
+    if spec is None or isinstance(spec, SpeculativeConfig):
+        return spec
+    if isinstance(spec, dict):
+        return SpeculativeConfig.from_dict(spec)
+    raise ValueError(
+        "speculative_config must be a dict such as "
+        f'{{"method": "ngram", "num_speculative_tokens": 4}}, a SpeculativeConfig or None; got {type(spec).__name__}.'
+    )
+
+
+def describe_speculative(spec: SpeculativeConfig | None) -> str:
+    """One short phrase for logs and reports, e.g. "ngram k=4 (lookup 2-5, off above 4 running)"."""
+    if spec is None:
+        return "off"
+    how = (
+        f"lookup {spec.prompt_lookup_min}-{spec.prompt_lookup_max}" if spec.method == "ngram" else f"draft {spec.model}"
+    )
+    return f"{spec.method} k={spec.num_speculative_tokens} ({how}, off above {spec.disable_by_batch_size} running)"
+
+
+def parse_speculative_config(text: str) -> dict[str, Any]:
+    """argparse type of --speculative-config: a JSON object with SpeculativeConfig's keys, checked here so
+    that a bad value is a usage error before any model loads. Stays a dict (JSON-serialisable in reports)."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(
+            f"not valid JSON ({exc.msg} at column {exc.colno}); "
+            """write e.g. '{"method": "ngram", "num_speculative_tokens": 4}'"""
+        ) from exc
+    if not isinstance(spec, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(spec).__name__}")
+    try:
+        SpeculativeConfig.from_dict(spec)
+    except (ValueError, TypeError) as exc:  # TypeError: a value of the wrong type reaching a comparison
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return spec
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -119,6 +169,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="sampling defaults for requests that leave them out: auto: the model's "
         "generation_config.json; vllm: ignore it (OpenAI's defaults); FOLDER: the "
         "generation_config.json in FOLDER",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        type=parse_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        "(keys: method ngram|draft_model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, "
+        "model, disable_by_batch_size); default: off",
     )
 
 

@@ -20,7 +20,7 @@ from tokenmill.loader.model_source import ModelSource
 from tokenmill.outputs import EngineCoreOutput
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.llguidance_backend import LLGuidanceBackend
-from tokenmill.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def num_kv_blocks(config: EngineConfig, runner: ModelRunner) -> int:
     The budget: kv_cache_memory_gb on CPU; on CUDA, what profiling the largest step leaves."""
     if config.cache.num_kv_blocks is not None:
         return config.cache.num_kv_blocks
-    per_block = kv_cache_bytes_per_block(config)
+    per_block = runner.kv_cache_bytes_per_block()
     if runner.device.type == "cuda":
         total, peak = profile_peak_memory(runner)
         blocks = profiled_num_kv_blocks(total, peak, config.cache.gpu_memory_utilization, per_block)
@@ -110,12 +110,13 @@ class EngineCore:
         self.runner.allocate_kv_cache(self.num_blocks)
         self.runner.capture_cuda_graphs()  # CUDA only; after the cache, which the graphs read in place
         self.kv_cache = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.speculative)
         self.num_idle_steps = 0  # consecutive steps that scheduled nothing while requests waited
         self.num_failed_steps = 0  # model steps that raised (each ended only its own requests)
         self.decode_stats = DecodeStepStats()
         logger.info(
-            "engine ready: %d KV blocks of %d tokens (%s), dtype %s (weights %s), attention %s, fused decode %s",
+            "engine ready: %d KV blocks of %d tokens (%s), dtype %s (weights %s), attention %s, fused decode %s, "
+            "speculative %s",
             self.num_blocks,
             config.cache.block_size,
             config.cache.kv_cache_dtype,
@@ -123,6 +124,7 @@ class EngineCore:
             config.model.weight_dtype or config.model.dtype,
             self.runner.backend.name,
             "on" if self.runner.fused_decode_off_reason is None else f"off ({self.runner.fused_decode_off_reason})",
+            "off" if (spec := config.speculative) is None else f"{spec.method} k={spec.num_speculative_tokens}",
         )
         freeze_startup_heap()
         keep_freed_memory()
@@ -157,10 +159,11 @@ class EngineCore:
             logger.exception("model step failed; ending the %d requests in it", len(sched.num_scheduled_tokens))
             return self._fail(list(sched.num_scheduled_tokens), f"engine error during the model step: {exc!r}")
         outputs = self.scheduler.update_from_output(sched, runner_out)
-        if sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens):  # one token each: decode rows
+        num_drafts = sum(len(d) for d in sched.scheduled_spec_tokens.values())
+        if sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens) + num_drafts:  # decode rows only
             self.decode_stats.steps += 1
             self.decode_stats.seconds += time.perf_counter() - start
-            self.decode_stats.tokens += len(runner_out.sampled_token_ids)
+            self.decode_stats.tokens += sum(len(t) for t in runner_out.sampled_token_ids.values())
         return outputs
 
     def _fail(self, req_ids: list[str], message: str) -> list[EngineCoreOutput]:

@@ -37,7 +37,9 @@ class LLM:
     enable_prefix_caching, load_format ("auto" | "safetensors" | "gguf" | "dummy"), seed, device,
     attention_backend, scheduling_policy ("fcfs" | "priority"), quantization, enforce_eager (every
     layer from Python: no CUDA graphs, no fused CPU decode stack), generation_config ("auto": the
-    model's generation_config.json sets the sampling defaults, "vllm": SamplingParams' own, or a folder).
+    model's generation_config.json sets the sampling defaults, "vllm": SamplingParams' own, or a folder),
+    speculative_config (vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}; a bad one is
+    a ValueError here). Each finished RequestOutput's metrics count its draft and accepted tokens.
 
     Calls without `sampling_params` use `get_default_sampling_params()`."""
 
@@ -166,6 +168,8 @@ def _metrics(children: list[Request]) -> RequestMetrics:
         finished_time=max((c.finished_time or 0.0) for c in children) or None,
         num_preemptions=sum(c.num_preemptions for c in children),
         num_cached_tokens=first.num_cached_tokens,
+        num_draft_tokens=sum(c.num_draft_tokens for c in children),
+        num_accepted_tokens=sum(c.num_accepted_tokens for c in children),
     )
 
 

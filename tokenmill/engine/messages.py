@@ -56,6 +56,16 @@ class EngineSnapshot:
     prefix_cache_hits: int  # cumulative, tokens
     num_step_tokens: int  # tokens scheduled by this step
     last_add_seq: int  # every add command up to this one is counted above
+    # Speculative decoding, cumulative (SpecDecodingStats): request-steps that verified drafts, draft
+    # tokens verified, drafts accepted, and [i] drafts whose token at position i was accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        # The pipe (msgpack) hands back a list; keep the frozen snapshot's tuple.
+        object.__setattr__(self, "spec_accepted_per_pos", tuple(self.spec_accepted_per_pos))
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,8 @@ class RequestTimings:
     finished_time: float | None
     num_preemptions: int
     num_cached_tokens: int
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for the request, and accepted
+    num_accepted_tokens: int = 0
 
     @classmethod
     def of(cls, request: Request) -> RequestTimings:
@@ -76,6 +88,8 @@ class RequestTimings:
             request.finished_time,
             request.num_preemptions,
             request.num_cached_tokens,
+            request.num_draft_tokens,
+            request.num_accepted_tokens,
         )
 
     def apply_to(self, request: Request) -> None:
@@ -84,6 +98,8 @@ class RequestTimings:
         request.finished_time = self.finished_time
         request.num_preemptions = self.num_preemptions
         request.num_cached_tokens = self.num_cached_tokens
+        request.num_draft_tokens = self.num_draft_tokens
+        request.num_accepted_tokens = self.num_accepted_tokens
 
 
 @dataclass(frozen=True)

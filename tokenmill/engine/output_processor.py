@@ -132,18 +132,22 @@ class OutputProcessor:
             state.error = out.error
         stopped_by_string = False
         if out.new_token_ids:
-            seq.token_ids.extend(out.new_token_ids)
-            if seq.logprobs is not None and out.new_logprobs is not None:
-                self._decode_tokens([out.new_logprobs])
-                seq.logprobs.append(out.new_logprobs)
-                seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + out.new_logprobs[
-                    out.new_token_ids[-1]
-                ].logprob
+            new_ids = out.new_token_ids  # several with speculative decoding
             if seq.detokenizer is not None:
-                stop_str = seq.detokenizer.update(out.new_token_ids)
+                stop_str = seq.detokenizer.update(new_ids)
+                # Nothing after the token that completed a stop string is emitted.
+                new_ids = new_ids[: seq.detokenizer.num_used]
                 if stop_str is not None and out.finish_reason is None:
                     seq.finish_reason, seq.stop_reason = "stop", stop_str
                     stopped_by_string = True
+            seq.token_ids.extend(new_ids)
+            if seq.logprobs is not None and out.new_logprobs is not None:
+                entries = out.new_logprobs[: len(new_ids)]
+                self._decode_tokens(entries)
+                seq.logprobs.extend(entries)
+                seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sum(
+                    entry[token].logprob for entry, token in zip(entries, new_ids)
+                )
         if out.finish_reason is not None and seq.finish_reason is None:
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
         if seq.detokenizer is not None:

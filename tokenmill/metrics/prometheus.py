@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -112,6 +113,20 @@ class ServerMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens scheduled per engine step.", _TOKEN_BUCKETS
         ).labels(m)
+        # Speculative decoding (vLLM's spec_decode_*): acceptance rate = accepted / draft tokens; mean
+        # accepted length = 1 + accepted / drafts.
+        self.spec_num_drafts = counter(
+            "spec_decode_num_drafts", "Request-steps that verified speculative draft tokens."
+        ).labels(m)
+        self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.").labels(m)
+        self.spec_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted (equal to the target's own choice)."
+        ).labels(m)
+        self._spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose token at this position (0-based) was accepted.",
+            ("position",),
+        )
         self.engine_restarts = counter(
             "engine_restarts", "New engines started after one died (killed, or model steps failing in a row)."
         ).labels(m)
@@ -130,14 +145,22 @@ class ServerMetrics:
         if snapshot.num_step_tokens:
             self.iteration_tokens.observe(snapshot.num_step_tokens)
         self._totals.steps += 1
-        if prev is not None:
-            self.num_preemptions.inc(max(0, snapshot.num_preemptions - prev.num_preemptions))
-            self.prefix_cache_queries.inc(max(0, snapshot.prefix_cache_queries - prev.prefix_cache_queries))
-            self.prefix_cache_hits.inc(max(0, snapshot.prefix_cache_hits - prev.prefix_cache_hits))
-        else:
-            self.num_preemptions.inc(snapshot.num_preemptions)
-            self.prefix_cache_queries.inc(snapshot.prefix_cache_queries)
-            self.prefix_cache_hits.inc(snapshot.prefix_cache_hits)
+        # The snapshot's counts are cumulative since the engine started: export what grew since the last.
+
+        def grown(count: Callable[[EngineSnapshot], int]) -> int:
+            return max(0, count(snapshot) - (count(prev) if prev is not None else 0))
+
+        self.num_preemptions.inc(grown(lambda s: s.num_preemptions))
+        self.prefix_cache_queries.inc(grown(lambda s: s.prefix_cache_queries))
+        self.prefix_cache_hits.inc(grown(lambda s: s.prefix_cache_hits))
+        self.spec_num_drafts.inc(grown(lambda s: s.spec_num_drafts))
+        self.spec_num_draft_tokens.inc(grown(lambda s: s.spec_num_draft_tokens))
+        self.spec_num_accepted_tokens.inc(grown(lambda s: s.spec_num_accepted_tokens))
+        before = prev.spec_accepted_per_pos if prev is not None else ()
+        for pos, count in enumerate(snapshot.spec_accepted_per_pos):
+            # inc(0) too: a position's series appears (at 0) once its first draft is verified
+            old = before[pos] if pos < len(before) else 0
+            self._spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(max(0, count - old))
 
     def on_tokens(self, stream: RequestStream, num_new_tokens: int, now: float) -> None:
         if stream.first_token_time is None:

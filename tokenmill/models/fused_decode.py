@@ -6,7 +6,9 @@ weights and KV cache, so the numbers match the layer-by-layer path (tests/e2e/te
 it starts from the token ids (the embedding lookup and the rotary tables' rows are in the call too).
 It covers the common case: float32 or packed (bf16, int8) weights on CPU, float32 activations, a
 float32, bf16 or int8 cache, the C++ paged-decode attention, no q/k norm (Qwen3 keeps the Python path).
-Steps with any prompt token run layer by layer."""
+A step whose requests have up to MAX_QUERY_LEN query tokens each (decode rows, speculative decoding's
+verification steps, short prompt chunks) runs here, causal within each request's query; longer
+chunks run layer by layer."""
 
 from __future__ import annotations
 
@@ -55,6 +57,10 @@ def unsupported_reason(model: LlamaForCausalLM) -> str | None:
 class FusedDecode:
     """Built for one model; rebuilt on the next call when the runner binds new KV caches."""
 
+    # Query tokens per request the C++ stack takes (kMaxQueryLen in decode_stack.cpp): a verification
+    # step's 1 + k, k up to 8 draft tokens.
+    MAX_QUERY_LEN = 9
+
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
         self._stack: Any = None
@@ -91,11 +97,11 @@ class FusedDecode:
 
     def __call__(
         self,
-        input_ids: torch.Tensor,  # [num_seqs] each sequence's new token
-        positions: torch.Tensor,  # [num_seqs]
-        meta: AttentionMetadata,
+        input_ids: torch.Tensor,  # [num_tokens] each request's query tokens, request by request
+        positions: torch.Tensor,  # [num_tokens]
+        meta: AttentionMetadata,  # at most MAX_QUERY_LEN query tokens per request
     ) -> torch.Tensor:
-        """The final normed hidden states, [num_seqs, hidden]."""
+        """The final normed hidden states, [num_tokens, hidden]."""
         caches = [layer.self_attn.kv_cache for layer in self.model.layers]
         if any(c is None for c in caches):
             raise RuntimeError("the KV cache was not bound to the attention layers")
@@ -103,4 +109,6 @@ class FusedDecode:
             raise RuntimeError(f"the fused decode stack reads a float32, bf16 or int8 KV cache, not {caches[0].dtype}")
         if self._stack is None or any(a is not b for a, b in zip(caches, self._caches)):
             self._stack = self._bind(caches)
-        return self._stack.forward(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        return self._stack.forward(
+            input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc
+        )

@@ -19,7 +19,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from tokenmill.sampling_params import MAX_N
@@ -252,10 +260,28 @@ class _Out(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class SpeculativeDecodingUsage(_Out):
+    """Draft tokens the target model verified for the request, and how many it accepted."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
 class UsageInfo(_Out):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # Only from a server that speculates (--speculative-config); left out of the JSON otherwise.
+    speculative_decoding: SpeculativeDecodingUsage | None = None
+
+    # No return annotation on purpose: with one, pydantic takes it as the serialized schema, and
+    # /openapi.json would lose UsageInfo's fields.
+    @model_serializer(mode="wrap")
+    def _leave_out_no_speculation(self, handler: SerializerFunctionWrapHandler):
+        data = handler(self)
+        if data.get("speculative_decoding") is None:
+            data.pop("speculative_decoding", None)
+        return data
 
 
 class CompletionLogprobs(_Out):

@@ -27,7 +27,7 @@ from tokenmill.sampling_params import (
 from tokenmill.server.audit import attach_job
 from tokenmill.server.config import ServerState
 from tokenmill.server.errors import ENGINE_FAILED_MESSAGE, INTERNAL_ERROR_MESSAGE, APIError, sse_error
-from tokenmill.server.protocol import UsageInfo, _SamplingFields
+from tokenmill.server.protocol import SpeculativeDecodingUsage, UsageInfo, _SamplingFields
 from tokenmill.server.security import Admission
 
 logger = logging.getLogger(__name__)
@@ -177,6 +177,7 @@ class Job:
     deadline: float | None = None  # monotonic: past it, the request is aborted (504)
     queue_deadline: float | None = None  # monotonic: past it with a prompt that has no output yet, the same
     timed_out: str | None = None  # which deadline aborted it
+    speculative: bool = False  # the engine speculates: usage reports draft and accepted tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -188,7 +189,20 @@ class Job:
 
     def usage(self) -> UsageInfo:
         prompt, completion = self.num_prompt_tokens, self.num_generated_tokens
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        spec = None
+        if self.speculative:
+            # Counted on finished outputs only (their metrics); summed over prompts and their n samples.
+            metrics = [out.metrics for out in self.outputs.values() if out.metrics is not None]
+            spec = SpeculativeDecodingUsage(
+                num_draft_tokens=sum(m.num_draft_tokens for m in metrics),
+                num_accepted_tokens=sum(m.num_accepted_tokens for m in metrics),
+            )
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            speculative_decoding=spec,
+        )
 
 
 def admit(
@@ -229,6 +243,7 @@ def admit(
     check_memory_pressure(state, waiting_tokens)
     reserved = sum(len(p.children) * (len(p.prompt_token_ids) + (p.params.max_tokens or 0)) for p in prepared)
     job = Job(prepared, state.limiter.acquire(key, reserved), arrival_time)
+    job.speculative = state.engine.config.speculative is not None
     cfg_timeout, cfg_queue = cfg.request_timeout_s, cfg.max_queue_time_s
     timeout = _tighter(cfg_timeout, deadlines.request_timeout if deadlines else None)
     queue_time = _tighter(cfg_queue, deadlines.max_queue_time if deadlines else None)

@@ -20,6 +20,8 @@ class RunnerRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None = None
+    # A seeded request's generators for its draft positions (speculative decoding), made on first use.
+    draft_generators: list[torch.Generator] = field(default_factory=list)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -37,21 +39,35 @@ class StepBatch:
     # Rows of the hidden states whose logits are sampled, one per request that samples this step.
     sample_req_ids: list[str]
     logits_indices: torch.Tensor  # [num_sampled] int64
+    # Speculative decoding: per sampling request, the draft tokens it verifies (its last len(drafts) + 1
+    # rows are all in logits_indices, in order). None: no request verifies drafts this step.
+    draft_token_ids: list[list[int]] | None = None
     # Prompt logprobs: req_id -> (first hidden row, number of rows, first prompt position predicted).
     prompt_logprob_rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
 def build_step_batch(
-    states: list[RunnerRequestState], num_scheduled: list[int], block_size: int, device: torch.device
+    states: list[RunnerRequestState],
+    num_scheduled: list[int],
+    block_size: int,
+    device: torch.device,
+    drafts: list[list[int]] | None = None,
 ) -> StepBatch:
-    """Flatten the scheduled tokens of every request into one batch."""
+    """Flatten the scheduled tokens of every request into one batch. `drafts[i]`: the draft tokens request
+    i verifies, scheduled after its committed tokens (None: no drafts this step)."""
+    if drafts is not None:
+        return _mixed_batch(states, num_scheduled, block_size, device, drafts)
     if all(n == 1 for n in num_scheduled) and all(s.num_computed_tokens + 1 == len(s.token_ids) for s in states):
         return _decode_batch(states, block_size, device)
     return _mixed_batch(states, num_scheduled, block_size, device)
 
 
 def _mixed_batch(
-    states: list[RunnerRequestState], num_scheduled: list[int], block_size: int, device: torch.device
+    states: list[RunnerRequestState],
+    num_scheduled: list[int],
+    block_size: int,
+    device: torch.device,
+    drafts: list[list[int]] | None = None,
 ) -> StepBatch:
     """Any step, prompt chunks included: numpy on the host, one copy per tensor."""
     num_reqs = len(states)
@@ -71,14 +87,19 @@ def _mixed_batch(
     input_ids = np.empty(num_tokens, dtype=np.int64)
     sample_req_ids: list[str] = []
     logits_indices: list[int] = []
+    sample_drafts: list[list[int]] = []
     prompt_rows: dict[str, tuple[int, int, int]] = {}
     for i, state in enumerate(states):
         block_tables[i, : len(state.block_ids)] = state.block_ids
         start, end = int(computed[i]), int(seq_lens[i])
-        input_ids[qsl[i] : qsl[i + 1]] = state.token_ids[start:end]
-        if end == len(state.token_ids):
+        draft = drafts[i] if drafts is not None else []
+        tokens = state.token_ids + draft if draft else state.token_ids
+        input_ids[qsl[i] : qsl[i + 1]] = tokens[start:end]
+        if end == len(tokens):
             sample_req_ids.append(state.req_id)
-            logits_indices.append(int(qsl[i + 1]) - 1)
+            sample_drafts.append(draft)
+            # Every verified position samples: the last committed token's row and each draft's.
+            logits_indices.extend(range(int(qsl[i + 1]) - 1 - len(draft), int(qsl[i + 1])))
         if state.sampling_params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
             # Row for position p predicts prompt token p + 1.
             num_rows = min(end, state.num_prompt_tokens - 1) - start
@@ -104,6 +125,7 @@ def _mixed_batch(
         sample_req_ids=sample_req_ids,
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
         prompt_logprob_rows=prompt_rows,
+        draft_token_ids=sample_drafts if drafts is not None else None,
     )
 
 

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from tokenmill.attention.pair_layout import cache_row_width
 from tokenmill.attention.selector import get_backend
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.models.fused_decode import FusedDecode, unsupported_reason
 from tokenmill.models.llama import LlamaForCausalLM, head_dim_of
 from tokenmill.ops import hugepages
@@ -19,20 +19,38 @@ from tokenmill.sample.logprobs import compute_topk_logprobs, to_token_logprobs
 from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sample.sampler import Sampler
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.draft_model import DraftLM, DraftModelProposer
+from tokenmill.spec_decode.proposer import NgramLookup, Proposer
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.manager import StructuredOutputManager
 from tokenmill.worker.cuda_graph import CudaGraphRunner
+from tokenmill.worker.draft_loader import load_draft_model
 from tokenmill.worker.input_batch import RunnerRequestState, StepBatch, build_step_batch
 from tokenmill.worker.model_interface import CausalLM
 from tokenmill.worker.model_loader import load_model
 
 # Seeded requests reseed their generator from (seed, output position) each step, so a request's
-# samples depend on nothing else: not batch composition, not preemption and recompute.
+# samples depend on nothing else: not batch composition, not preemption and recompute, not speculation.
 _SEED_STRIDE = 1_000_003
 
 
-def kv_cache_bytes_per_block(config: EngineConfig) -> int:
-    hf_config = config.model.hf_config
+def _seed(generator: torch.Generator, state: RunnerRequestState, offset: int) -> None:
+    """Seed for the position `offset` tokens after the request's last one."""
+    seed = state.sampling_params.seed or 0
+    # Any Python int is a valid seed: fold it into the generator's 64 bits.
+    generator.manual_seed((seed * _SEED_STRIDE + len(state.token_ids) + offset) % 2**64)
+
+
+def kv_cache_bytes_per_block(config: EngineConfig, draft_hf_config: Any = None) -> int:
+    """Bytes of one KV block of the target, plus the draft model's when one is given (its cache has a
+    block for every target block)."""
+    per_block = _model_kv_bytes_per_block(config, config.model.hf_config)
+    if draft_hf_config is not None:
+        per_block += _model_kv_bytes_per_block(config, draft_hf_config)
+    return per_block
+
+
+def _model_kv_bytes_per_block(config: EngineConfig, hf_config: Any) -> int:
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     itemsize = torch.empty(0, dtype=getattr(torch, config.cache.kv_cache_dtype)).element_size()
     width = cache_row_width(head_dim_of(hf_config), config.cache.kv_cache_dtype)
@@ -67,8 +85,30 @@ class ModelRunner:
         self._meta_states: list[RunnerRequestState] = []
         self.states: dict[str, RunnerRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        # Speculative decoding: proposes each sampling request's drafts for the next step.
+        self.draft: CausalLM | None = None
+        self.draft_config: ModelConfig | None = None
+        self.proposer: Proposer | None = self._make_proposer()
         self.cuda_graphs: CudaGraphRunner | None = None  # set by capture_cuda_graphs
         self.cuda_graph_capture_s: float | None = None
+
+    def _make_proposer(self) -> Proposer | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramLookup(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        module, self.draft_config = load_draft_model(self.config, self.backend)
+        self.draft = cast(CausalLM, module)
+        fused = None
+        if not self.config.enforce_eager and isinstance(module, LlamaForCausalLM) and self.device.type == "cpu":
+            fused = FusedDecode(module) if unsupported_reason(module) is None else None
+        return DraftModelProposer(cast(DraftLM, module), fused, self.block_size, self.device)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes of one KV block: the target's cache, and the draft model's beside it."""
+        draft_hf = self.draft_config.hf_config if self.draft_config is not None else None
+        return kv_cache_bytes_per_block(self.config, draft_hf)
 
     def _check_int8_cache(self) -> None:
         """Only the AVX-512 BF16 attention kernel reads an int8 cache: refuse it up front elsewhere."""
@@ -101,7 +141,8 @@ class ModelRunner:
         dtype = getattr(torch, self.config.cache.kv_cache_dtype)
         self.kv_caches = []
         self.cuda_graphs = None  # captured graphs read the old cache in place
-        for layer in self.model.layers:
+        draft_layers = self.draft.layers if self.draft is not None else []
+        for layer in [*self.model.layers, *draft_layers]:
             attn = layer.self_attn
             width = cache_row_width(attn.head_dim, self.config.cache.kv_cache_dtype)
             shape = (2, num_blocks, self.block_size, attn.num_kv_heads, width)
@@ -180,6 +221,8 @@ class ModelRunner:
         for req_id in sched.finished_req_ids:
             self.states.pop(req_id, None)
             self.structured.remove_request(req_id)
+            if self.proposer is not None:
+                self.proposer.remove_request(req_id)
         for new in sched.new_requests:
             params = new.sampling_params
             if params.structured_outputs is not None:
@@ -206,7 +249,9 @@ class ModelRunner:
         if not states:
             return ModelRunnerOutput(sampled_token_ids={})
         num_scheduled = [sched.num_scheduled_tokens[s.req_id] for s in states]
-        batch = build_step_batch(states, num_scheduled, self.block_size, self.device)
+        spec = sched.scheduled_spec_tokens
+        drafts = [spec.get(s.req_id, []) for s in states] if spec else None
+        batch = build_step_batch(states, num_scheduled, self.block_size, self.device, drafts)
         hidden = self._forward(batch)  # [num_tokens, hidden]
         output = ModelRunnerOutput(sampled_token_ids={})
         if batch.prompt_logprob_rows:
@@ -215,6 +260,11 @@ class ModelRunner:
             self._sample(hidden, batch, output)
         for state, n in zip(states, num_scheduled):
             state.num_computed_tokens += n
+            num_drafts = len(spec.get(state.req_id, ())) if spec else 0
+            if num_drafts:  # rejected drafts are computed again: the scheduler rolls back the same way
+                state.num_computed_tokens -= num_drafts + 1 - len(output.sampled_token_ids[state.req_id])
+        if self.proposer is not None and batch.sample_req_ids:
+            self._propose(len(states), batch.sample_req_ids, output)
         return output
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
@@ -223,41 +273,128 @@ class ModelRunner:
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             return self.cuda_graphs.run(batch)
         meta = batch.attn_metadata
-        if self.fused_decode is not None and meta.is_all_decode:
+        if self.fused_decode is not None and meta.max_query_len <= FusedDecode.MAX_QUERY_LEN:
             return self.fused_decode(batch.input_ids, batch.positions, meta)
         return self.model(batch.input_ids, batch.positions, batch.attn_metadata)
 
     def _sample(self, hidden: torch.Tensor, batch: StepBatch, output: ModelRunnerOutput) -> None:
         """Every forward path (a CUDA graph, the fused C++ decode stack, layer by layer) ends at the hidden
-        states: the LM head, a grammar's mask and sampling all run here, for every kind of step."""
+        states: the LM head, a grammar's mask and sampling all run here, for every kind of step.
+
+        A request verifying k drafts samples k + 1 rows, row j as if its output already held drafts[:j]
+        (penalties, min_tokens, seeds). It keeps the drafts while each equals the token its row sampled,
+        then emits the first sample that differs (or, with every draft kept, the last row's: a bonus
+        token). For drafts that are guesses without a distribution (n-gram lookup, a greedy draft) this
+        is rejection sampling with a one-hot proposal q: a draft is kept with probability p(draft) =
+        min(1, p/q), and the sample that replaces a rejected one follows p given it is not the draft,
+        i.e. the normalized max(p - q, 0). Each row draws as the sampler does without speculation (a
+        seeded row from its own position's seed), so greedy and seeded outputs equal a run without it."""
         # Every row samples (a decode step): the rows are the logits' rows already, in order.
         rows = hidden if hidden.shape[0] == batch.logits_indices.numel() else hidden[batch.logits_indices]
-        logits = self.model.compute_logits(rows)  # [num_sampled, vocab]
+        logits = self.model.compute_logits(rows)  # [num_sample_rows, vocab]
         states = [self.states[r] for r in batch.sample_req_ids]
-        for state in states:
-            if state.generator is not None:
-                seed = state.sampling_params.seed or 0
-                # Any Python int is a valid seed: fold it into the generator's 64 bits.
-                state.generator.manual_seed((seed * _SEED_STRIDE + len(state.token_ids)) % 2**64)
-        bitmask = self.structured.bitmask(batch.sample_req_ids)
-        result = self.sampler(logits, self._sampling_metadata(states), bitmask)
+        if batch.draft_token_ids is None:
+            drafts: list[list[int]] = [[] for _ in states]
+            for state in states:
+                if state.generator is not None:
+                    _seed(state.generator, state, 0)
+            meta = self._sampling_metadata(states)
+            row_states = states
+        else:
+            drafts = batch.draft_token_ids
+            meta = self._verify_metadata(states, drafts)
+            row_states = [state for state, draft in zip(states, drafts) for _ in range(len(draft) + 1)]
+        # Constrained requests never carry drafts (see _propose): one row each.
+        bitmask = self.structured.bitmask([state.req_id for state in row_states])
+        result = self.sampler(logits, meta, bitmask)
         sampled = result.sampled_token_ids.tolist()  # the step's one host sync for sampling
+        emitted_rows: list[int] = []  # the rows whose samples are emitted, in request order
+        row = 0
+        for state, draft in zip(states, drafts):
+            num_kept = 0
+            while num_kept < len(draft) and sampled[row + num_kept] == draft[num_kept]:
+                num_kept += 1
+            tokens = sampled[row : row + num_kept + 1]
+            emitted_rows.extend(range(row, row + num_kept + 1))
+            state.token_ids.extend(tokens)
+            output.sampled_token_ids[state.req_id] = tokens
+            row += len(draft) + 1
         if bitmask is not None:
-            self.structured.accept(batch.sample_req_ids, sampled)
-        for state, token in zip(states, sampled):
-            state.token_ids.append(token)
-            output.sampled_token_ids[state.req_id] = token
+            self.structured.accept(batch.sample_req_ids, [output.sampled_token_ids[r][0] for r in batch.sample_req_ids])
         if result.topk_token_ids is None or result.topk_logprobs is None or result.sampled_ranks is None:
             return
-        lp_rows = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
+        lp_rows = [r for r in emitted_rows if row_states[r].sampling_params.logprobs is not None]
         entries = to_token_logprobs(
             result.topk_token_ids[lp_rows],
             result.topk_logprobs[lp_rows],
             result.sampled_ranks[lp_rows],
-            num_logprobs=[states[i].sampling_params.logprobs or 0 for i in lp_rows],
+            num_logprobs=[row_states[r].sampling_params.logprobs or 0 for r in lp_rows],
         )
-        for i, entry in zip(lp_rows, entries):
-            output.logprobs[states[i].req_id] = entry
+        for r, entry in zip(lp_rows, entries):
+            output.logprobs.setdefault(row_states[r].req_id, []).append(entry)
+
+    def _verify_metadata(self, states: list[RunnerRequestState], drafts: list[list[int]]) -> SamplingMetadata:
+        """Sampling tensors of a step that verifies drafts: one row per verified position."""
+        params: list[SamplingParams] = []
+        prompts: list[list[int]] = []
+        outputs: list[list[int]] = []
+        generators: list[torch.Generator | None] = []
+        for state, draft in zip(states, drafts):
+            prompt = state.token_ids[: state.num_prompt_tokens]
+            output_ids = state.output_token_ids
+            for j in range(len(draft) + 1):
+                params.append(state.sampling_params)
+                prompts.append(prompt)
+                outputs.append(output_ids + draft[:j])
+                generators.append(self._row_generator(state, j))
+        return SamplingMetadata.build(
+            params=params,
+            prompt_token_ids=prompts,
+            output_token_ids=outputs,
+            generators=generators,
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+
+    def _row_generator(self, state: RunnerRequestState, j: int) -> torch.Generator | None:
+        """A seeded request's generator for its j-th verified position, seeded for that position."""
+        if state.generator is None:
+            return None
+        if j == 0:
+            generator = state.generator
+        else:
+            while len(state.draft_generators) < j:
+                state.draft_generators.append(torch.Generator(self.device))
+            generator = state.draft_generators[j - 1]
+        _seed(generator, state, j)
+        return generator
+
+    def _propose(self, num_step_reqs: int, req_ids: list[str], output: ModelRunnerOutput) -> None:
+        """Draft tokens for the next step of the requests that sampled. None above disable_by_batch_size
+        running requests, and none for a constrained request (its grammar would have to check them)."""
+        spec = self.config.speculative
+        if self.proposer is None or spec is None or num_step_reqs > spec.disable_by_batch_size:
+            return
+        max_model_len = self.config.model.max_model_len
+        chosen: list[RunnerRequestState] = []
+        max_drafts: list[int] = []
+        for req_id in req_ids:
+            state = self.states[req_id]
+            max_tokens = state.sampling_params.max_tokens or 0
+            # The step that verifies k drafts emits up to k + 1 tokens: never past max_tokens or the context.
+            room = min(max_tokens - len(state.output_token_ids) - 1, max_model_len - len(state.token_ids))
+            if room > 0 and req_id not in self.structured.matchers:
+                chosen.append(state)
+                max_drafts.append(min(room, spec.num_speculative_tokens))
+        if not chosen:
+            return
+        proposals = self.proposer.propose(
+            [s.req_id for s in chosen], [s.token_ids for s in chosen], [s.block_ids for s in chosen], max_drafts
+        )
+        for state, draft in zip(chosen, proposals):
+            if draft:
+                output.spec_token_ids[state.req_id] = draft
 
     def _sampling_metadata(self, states: list[RunnerRequestState]) -> SamplingMetadata:
         """The step's sampling tensors. A decode batch of the same requests in the same order reuses

@@ -1,4 +1,5 @@
-// Every decoder layer of a CPU decode step (one new token per sequence) in one call from Python.
+// Every decoder layer of a CPU decode step in one call from Python: one new token per sequence, or a
+// verification step's few (up to kMaxQueryLen per sequence, after its cached context, causal).
 //
 // A small model at batch 1 spends ~15 PyTorch calls per layer; issued from Python they cost as much
 // as the weight streaming they wrap. Here the same kernels (packed GEMM or float32 at::linear,
@@ -44,6 +45,9 @@ inline at::Tensor linear_silu_mul(const PackedLinear& w, const at::Tensor& x) {
     return gemm::packed_linear(x, weight, std::get<1>(w), std::get<2>(w), N, true);
   return ops::silu_and_mul(linear(w, x));
 }
+
+// A verification step's query: 1 + k tokens per sequence, k up to 8 draft tokens.
+constexpr int64_t kMaxQueryLen = 9;
 
 struct Layer {
   at::Tensor input_norm, post_attention_norm;  // [hidden]
@@ -106,16 +110,23 @@ class DecodeStack {
     layers_.push_back(std::move(layer));
   }
 
-  // input_ids, positions: [B] int64 (each sequence's new token); slot_mapping: [B] int64;
-  // block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (context length including the new token).
-  // Returns the final normed hidden states, [B, hidden].
+  // input_ids, positions, slot_mapping: [T] int64, the step's T query tokens; block_tables:
+  // [S, max_blocks] int32; seq_lens: [S] int32 (context length including the step's tokens);
+  // query_start: [S + 1] int32, sequence i's tokens [query_start[i], query_start[i + 1]), 1 to
+  // kMaxQueryLen of them, the last of its context. Returns the final normed hidden states, [T, hidden].
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
-                     const at::Tensor& block_tables, const at::Tensor& seq_lens) const {
-    TORCH_CHECK(input_ids.dim() == 1 && positions.sizes() == input_ids.sizes(), "input_ids, positions: [B]");
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start) const {
+    TORCH_CHECK(input_ids.dim() == 1 && positions.sizes() == input_ids.sizes(), "input_ids, positions: [T]");
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == input_ids.numel(),
-                "slot_mapping: [B] int64");
+                "slot_mapping: [T] int64");
+    TORCH_CHECK(query_start.scalar_type() == at::kInt && query_start.numel() == seq_lens.numel() + 1,
+                "query_start: [S + 1] int32");
+    // One token per sequence (every sequence has one at least): a decode step, whose query starts
+    // are 0..S and need no reading. Otherwise the starts, checked (undefined: one token each).
+    const at::Tensor starts =
+        input_ids.numel() == seq_lens.numel() ? at::Tensor() : checked_starts(query_start, seq_lens, input_ids.numel());
 #ifdef TM_DECODE_TEAM
-    if (one_region()) return forward_team(input_ids, positions, slot_mapping, block_tables, seq_lens);
+    if (one_region()) return forward_team(input_ids, positions, slot_mapping, block_tables, seq_lens, starts);
 #endif
     const int64_t batch = input_ids.numel(), q_size = num_heads_ * head_dim_;
     at::Tensor residual = embedding_.index_select(0, input_ids);  // [B, hidden], the residual stream
@@ -125,6 +136,7 @@ class DecodeStack {
     const int64_t half = head_dim_ / 2;
     const float* cos_rows = cos.data_ptr<float>();
     const float* sin_rows = sin.data_ptr<float>();
+    TokenRows token_rows;  // the per-token view paged_decode takes, made on first use
     for (const Layer& layer : layers_) {
       if (!x.defined())  // layer 0 has no residual to add: the same op as the layer-by-layer path
         x = at::rms_norm(residual, {residual.size(1)}, layer.input_norm, eps_);
@@ -133,18 +145,31 @@ class DecodeStack {
       at::Tensor qkv = linear(layer.qkv, x);  // [B, (Hq + 2 * Hkv) * D]
       at::Tensor attn;                        // [B, Hq, D]
 #ifdef TM_ATTN_AVX512
-      if (attn::avx512_supports(layer.kv_cache)) {  // rotary and cache write inside the attention's items
+      if (attn::avx512_supports(layer.kv_cache) && !starts.defined()) {  // rotary and cache write in the items
         attn = attn::decode_attention(qkv, num_heads_, layer.kv_cache, slots.data_ptr<int64_t>(), block_tables,
                                       seq_lens, scale_, [&](float* head, int64_t seq) {
                                         ops::rotate_head(head, cos_rows + seq * half, sin_rows + seq * half, half);
                                       });
+      } else if (attn::avx512_supports(layer.kv_cache)) {  // every row's k, v written before any row attends
+        ops::rotary_(qkv, num_heads_ + num_kv_heads_, head_dim_, cos, sin);
+        const int64_t kv_size = num_kv_heads_ * head_dim_;
+        attn::write_kv(qkv.narrow(1, q_size, kv_size).view({batch, num_kv_heads_, head_dim_}),
+                       qkv.narrow(1, q_size + kv_size, kv_size).view({batch, num_kv_heads_, head_dim_}), layer.kv_cache,
+                       slots);
+        at::Tensor q = qkv.narrow(1, 0, q_size).view({batch, num_heads_, head_dim_});  // read in place
+        attn = attn::paged_attention(q, layer.kv_cache, block_tables, seq_lens, starts, scale_);
       }
 #endif
       if (!attn.defined()) {
         ops::rotary_(qkv, num_heads_ + num_kv_heads_, head_dim_, cos, sin);
         write_kv(qkv, layer.kv_cache, slots.data_ptr<int64_t>(), q_size);
         at::Tensor q = qkv.narrow(1, 0, q_size).view({batch, num_heads_, head_dim_});  // read in place
-        attn = attn::paged_decode(q, layer.kv_cache, block_tables, seq_lens, scale_);
+        if (!starts.defined()) {
+          attn = attn::paged_decode(q, layer.kv_cache, block_tables, seq_lens, scale_);
+        } else {
+          if (!token_rows.tables.defined()) token_rows = per_token_rows(block_tables, seq_lens, starts);
+          attn = attn::paged_decode(q, layer.kv_cache, token_rows.tables, token_rows.lens, scale_);
+        }
       }
       at::Tensor o = linear(layer.o, attn.view({batch, q_size}));
       ops::add_rms_norm_(o, residual, layer.post_attention_norm, eps_);
@@ -155,6 +180,8 @@ class DecodeStack {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  static int64_t max_query_len() { return kMaxQueryLen; }
 
   // Whether forward runs a step's ops in one parallel region (forward_team), on where every layer
   // allows it; switched off only to measure the op-by-op path against it (bench/scripts/one_region.py).
@@ -177,6 +204,45 @@ class DecodeStack {
   }
 
  private:
+  // A step's tokens as paged_decode's sequences (one query row each): token j of sequence i has the
+  // block table of i and the context up to and including j, so it attends causally within i's query.
+  struct TokenRows {
+    at::Tensor tables;  // [T, max_blocks] int32
+    at::Tensor lens;    // [T] int32
+  };
+
+  static TokenRows per_token_rows(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  const at::Tensor& starts) {
+    const int64_t num_seqs = seq_lens.numel();
+    const int32_t* start = starts.data_ptr<int32_t>();
+    const at::Tensor lens = seq_lens.contiguous();
+    at::Tensor seq_of = at::empty({start[num_seqs]}, at::kLong), token_lens = at::empty({start[num_seqs]}, at::kInt);
+    for (int64_t i = 0; i < num_seqs; ++i)
+      for (int64_t j = start[i]; j < start[i + 1]; ++j) {
+        seq_of.data_ptr<int64_t>()[j] = i;
+        token_lens.data_ptr<int32_t>()[j] = lens.data_ptr<int32_t>()[i] - (start[i + 1] - j) + 1;
+      }
+    return {block_tables.index_select(0, seq_of), token_lens};
+  }
+
+  // query_start, contiguous, once checked: from 0 to T, 1 to kMaxQueryLen tokens per sequence, at
+  // most its context (the kernels trust these to address the cache).
+  static at::Tensor checked_starts(const at::Tensor& query_start, const at::Tensor& seq_lens, int64_t tokens) {
+    const at::Tensor starts = query_start.contiguous(), lens = seq_lens.contiguous();
+    TORCH_CHECK(lens.scalar_type() == at::kInt, "seq_lens: [S] int32");
+    const int32_t* start = starts.data_ptr<int32_t>();
+    const int64_t num_seqs = lens.numel();
+    TORCH_CHECK(start[0] == 0 && start[num_seqs] == tokens, "query_start must run from 0 to the ", tokens,
+                " tokens, not ", start[0], " to ", start[num_seqs]);
+    for (int64_t i = 0; i < num_seqs; ++i) {
+      const int64_t rows = start[i + 1] - start[i];
+      TORCH_CHECK(rows >= 1 && rows <= kMaxQueryLen && rows <= lens.data_ptr<int32_t>()[i], "sequence ", i, ": ", rows,
+                  " query tokens with a context of ", lens.data_ptr<int32_t>()[i], " (1 to ", kMaxQueryLen,
+                  ", at most the context)");
+    }
+    return starts;
+  }
+
   // forward_team reads the norms' weights as raw float32 rows inside its parallel region, where a
   // failed check could not throw: check them here.
   void check_norm(const at::Tensor& weight, const char* name) const {
@@ -267,17 +333,20 @@ class DecodeStack {
   // forward's step with every op in one parallel region (Team): per layer, each thread norms and
   // prepares its own rows for the next GEMM, runs its share of the GEMM's panels, attends its
   // items (rotary and cache write included); a barrier between dependent ops.
+  // With several tokens per sequence (starts defined), a row's items read the keys of its sequence's
+  // earlier rows: every row's k and v are written first, then a barrier, then the items attend.
   at::Tensor forward_team(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
-                          const at::Tensor& block_tables, const at::Tensor& seq_lens) const {
-    const int64_t B = input_ids.numel(), hidden = embedding_.size(1), q_size = num_heads_ * head_dim_;
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& starts) const {
+    const int64_t B = input_ids.numel(), S = seq_lens.numel();  // B tokens of S sequences
+    const int64_t hidden = embedding_.size(1), q_size = num_heads_ * head_dim_;
     const int64_t qkv_width = (num_heads_ + 2 * num_kv_heads_) * head_dim_, half = head_dim_ / 2;
     const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous(),
                      slots = slot_mapping.contiguous();
-    TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt && tables.dim() == 2 &&
-                    tables.size(0) == B && lens.numel() == B,
-                "block_tables: [B, max_blocks] int32, seq_lens: [B] int32");
+    TORCH_CHECK(
+        tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt && tables.dim() == 2 && tables.size(0) == S,
+        "block_tables: [S, max_blocks] int32, seq_lens: [S] int32");
     const int32_t* len = lens.data_ptr<int32_t>();
-    for (int64_t i = 0; i < B; ++i)  // the kernels trust these to address the cache
+    for (int64_t i = 0; i < S; ++i)  // the kernels trust these to address the cache
       TORCH_CHECK(len[i] <= tables.size(1) * attn::avx512::kBlock, "sequence ", i, ": context ", len[i],
                   " past its block table of ", tables.size(1), " blocks");
     for (const Layer& layer : layers_)
@@ -289,8 +358,9 @@ class DecodeStack {
     at::Tensor qkv = at::empty({B, qkv_width}, f32), attn = at::empty({B, q_size}, f32);
     at::Tensor h = at::empty({B, std::get<3>(layers_[0].gate_up) / 2}, f32);
     Rows rows = rows_for(B);
-    const attn::avx512::Plan plan =
-        attn::avx512::plan_items(nullptr, len, B, num_heads_ / num_kv_heads_, num_kv_heads_);
+    const bool multi = starts.defined();  // some sequence has several query tokens
+    const attn::avx512::Plan plan = attn::avx512::plan_items(multi ? starts.data_ptr<int32_t>() : nullptr, len, S,
+                                                             num_heads_ / num_kv_heads_, num_kv_heads_);
     float* xp = x.data_ptr<float>();
     float* rp = residual.data_ptr<float>();
     float* qkv_p = qkv.data_ptr<float>();
@@ -315,18 +385,28 @@ class DecodeStack {
         team.sync();
         const auto attend = [&](auto* cache, auto& worker) {
           const int64_t cache_half = layer.kv_cache.numel() / 2;
-          const auto prepare = [&](int64_t seq, int64_t kvh0, int64_t heads) {
-            attn::rotate_and_write(qkv_p + seq * qkv_width, kvh0, heads, num_heads_, num_kv_heads_, head_dim_,
-                                   slot[seq], cache, cache_half, [&](float* head) {
-                                     ops::rotate_head(head, cos_rows + seq * half, sin_rows + seq * half, half);
+          // Token row's kv heads [kvh0, kvh0 + heads): rotated, k and v into its cache slot.
+          const auto prepare = [&](int64_t row, int64_t kvh0, int64_t heads) {
+            attn::rotate_and_write(qkv_p + row * qkv_width, kvh0, heads, num_heads_, num_kv_heads_, head_dim_,
+                                   slot[row], cache, cache_half, [&](float* head) {
+                                     ops::rotate_head(head, cos_rows + row * half, sin_rows + row * half, half);
                                    });
           };
-          attn::avx512::with_chunks(head_dim_, [&](auto c) {
-            for (int64_t w = t; w < static_cast<int64_t>(plan.workers.size()); w += T)
-              attn::avx512::attend_worker<c()>(plan, w, qkv_p, qkv_width, cache, cache + cache_half,
-                                               tables.data_ptr<int32_t>(), len, attn_p, num_heads_, num_kv_heads_,
-                                               tables.size(1), static_cast<float>(scale_), prepare, worker);
-          });
+          const auto attend_items = [&](const auto& before_item) {
+            attn::avx512::with_chunks(head_dim_, [&](auto c) {
+              for (int64_t w = t; w < static_cast<int64_t>(plan.workers.size()); w += T)
+                attn::avx512::attend_worker<c()>(plan, w, qkv_p, qkv_width, cache, cache + cache_half,
+                                                 tables.data_ptr<int32_t>(), len, attn_p, num_heads_, num_kv_heads_,
+                                                 tables.size(1), static_cast<float>(scale_), before_item, worker);
+            });
+          };
+          if (!multi)  // an item's sequence is its one token row: it prepares its row itself
+            return attend_items(prepare);
+          const int64_t units = B * num_kv_heads_;  // (row, kv head) pairs, an equal share each
+          for (int64_t u = t * units / T; u < (t + 1) * units / T; ++u)
+            prepare(u / num_kv_heads_, u % num_kv_heads_, 1);
+          team.sync();
+          attend_items([](int64_t, int64_t, int64_t) {});
         };
         if (layer.kv_cache.scalar_type() == at::kChar)
           attend(layer.kv_cache.data_ptr<int8_t>(), int8_worker);
@@ -402,5 +482,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &tokenmill::DecodeStack::add_layer)
       .def("forward", &tokenmill::DecodeStack::forward)
       .def_property_readonly("num_layers", &tokenmill::DecodeStack::num_layers)
+      .def_property_readonly_static("max_query_len",
+                                    [](const pybind11::object&) { return tokenmill::DecodeStack::max_query_len(); })
       .def_property("one_region", &tokenmill::DecodeStack::one_region, &tokenmill::DecodeStack::set_one_region);
 }

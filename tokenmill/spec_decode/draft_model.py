@@ -1,0 +1,137 @@
+"""A smaller model with the target's vocabulary proposes the drafts, greedily.
+
+The draft runs on the same engine: the same attention backend, the same block tables (its own KV
+tensors, one block for every target block, so the scheduler's allocation serves both) and, on CPU, the
+fused decode stack. Each request's draft KV is valid for its first `computed` tokens: a proposal first
+feeds the committed tokens past that (the whole prompt the first time; afterwards the last step's
+accepted tokens and the target's own token), whose last row gives the first draft, then one decode
+step per further draft. The drafts' own KV (positions past the committed tokens) is written in the
+request's lookahead slots (the scheduler reserves k of them) and overwritten when those positions
+are committed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.models.fused_decode import FusedDecode
+
+
+class DraftAttention(Protocol):
+    kv_cache: torch.Tensor | None
+
+
+class DraftLayer(Protocol):
+    @property
+    def self_attn(self) -> DraftAttention: ...
+
+
+class DraftLM(Protocol):
+    @property
+    def layers(self) -> Sequence[DraftLayer]: ...
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class DraftModelProposer:
+    def __init__(self, model: DraftLM, fused: FusedDecode | None, block_size: int, device: torch.device) -> None:
+        self.model = model
+        self.fused = fused  # the draft's fused CPU decode stack, or None (layer by layer)
+        self.block_size = block_size
+        self.device = device
+        self.computed: dict[str, int] = {}  # req_id -> tokens whose draft KV is written
+
+    def remove_request(self, req_id: str) -> None:
+        self.computed.pop(req_id, None)
+
+    @torch.inference_mode()
+    def propose(
+        self, req_ids: list[str], token_ids: list[list[int]], block_ids: list[list[int]], max_drafts: list[int]
+    ) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in req_ids]
+        # A request whose blocks cannot hold its drafts' KV (the scheduler could not reserve the
+        # lookahead) proposes fewer, or none.
+        counts = [
+            min(n, len(blocks) * self.block_size - len(tokens) + 1)
+            for tokens, blocks, n in zip(token_ids, block_ids, max_drafts)
+        ]
+        active = [i for i, n in enumerate(counts) if n > 0]
+        if not active:
+            return drafts
+        firsts = self._catch_up(
+            [req_ids[i] for i in active], [token_ids[i] for i in active], [block_ids[i] for i in active]
+        )
+        for i, token in zip(active, firsts):
+            drafts[i].append(token)
+        for step in range(1, max(counts)):
+            active = [i for i in active if counts[i] > step]
+            if not active:
+                break
+            # Feed draft `step - 1` (at position len(tokens) + step - 1) to get draft `step`.
+            positions = [len(token_ids[i]) + step - 1 for i in active]
+            nexts = self._decode([drafts[i][-1] for i in active], positions, [block_ids[i] for i in active])
+            for i, token in zip(active, nexts):
+                drafts[i].append(token)
+        return drafts
+
+    def _catch_up(self, req_ids: list[str], token_ids: list[list[int]], block_ids: list[list[int]]) -> list[int]:
+        """Feed each request's committed tokens the draft has not seen; returns its first draft."""
+        starts = [min(self.computed.get(r, 0), len(t) - 1) for r, t in zip(req_ids, token_ids)]
+        inputs: list[int] = []
+        positions: list[int] = []
+        for tokens, start in zip(token_ids, starts):
+            inputs.extend(tokens[start:])
+            positions.extend(range(start, len(tokens)))
+        query_lens = [len(t) - s for t, s in zip(token_ids, starts)]
+        meta = self._metadata(positions, query_lens, [len(t) for t in token_ids], block_ids)
+        ids = torch.tensor(inputs, dtype=torch.int64, device=self.device)  # [num_tokens]
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        if self.fused is not None and meta.max_query_len <= FusedDecode.MAX_QUERY_LEN:
+            hidden = self.fused(ids, pos, meta)
+        else:
+            hidden = self.model(ids, pos, meta)  # [num_tokens, hidden]
+        last_rows = torch.tensor(meta.query_start_loc_cpu[1:], device=self.device) - 1
+        for req_id, tokens in zip(req_ids, token_ids):
+            self.computed[req_id] = len(tokens)
+        return self._argmax(hidden[last_rows])
+
+    def _decode(self, inputs: list[int], positions: list[int], block_ids: list[list[int]]) -> list[int]:
+        meta = self._metadata(positions, [1] * len(inputs), [p + 1 for p in positions], block_ids)
+        ids = torch.tensor(inputs, dtype=torch.int64, device=self.device)  # [num_reqs]
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        hidden = self.fused(ids, pos, meta) if self.fused is not None else self.model(ids, pos, meta)
+        return self._argmax(hidden)
+
+    def _argmax(self, hidden: torch.Tensor) -> list[int]:
+        logits = self.model.compute_logits(hidden)  # [num_reqs, vocab]
+        tokens: list[int] = logits.argmax(dim=-1).tolist()
+        return tokens
+
+    def _metadata(
+        self, positions: list[int], query_lens: list[int], seq_lens: list[int], block_ids: list[list[int]]
+    ) -> AttentionMetadata:
+        bs = self.block_size
+        qsl = [0]
+        for n in query_lens:
+            qsl.append(qsl[-1] + n)
+        req_of_token = [i for i, n in enumerate(query_lens) for _ in range(n)]
+        slots = [block_ids[i][p // bs] * bs + p % bs for i, p in zip(req_of_token, positions)]
+        width = max(len(b) for b in block_ids)
+        dev = self.device
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(
+                [b + [0] * (width - len(b)) for b in block_ids], dtype=torch.int32, device=dev
+            ),  # [num_reqs, width]
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
