@@ -13,6 +13,7 @@ import torch
 from tests.tiny_models import hf_model, make_tiny_model, make_tiny_tokenizer, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.outputs import RequestOutput
+from tokenmill.spec_decode.proposer import Proposal
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -153,15 +154,50 @@ def test_logprobs_of_accepted_tokens_match(llama_pair: tuple[LLM, LLM]) -> None:
         assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
 
 
-def test_seeded_sampling_equals_no_speculation_and_ignores_the_batch(llama_pair: tuple[LLM, LLM]) -> None:
-    base, spec = llama_pair
+class Oracle:
+    """Proposes the continuation a run without speculation produced, one token in two drafts wrong:
+    drafts without a distribution (like n-gram lookup's), many kept and many rejected."""
+
+    def __init__(self, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+        self.runs = [(p, o) for p, o in zip(prompts, outputs)]
+        self.calls = 0
+
+    def propose(
+        self,
+        req_ids: list[str],
+        token_ids: list[list[int]],
+        block_ids: list[list[int]],
+        max_drafts: list[int],
+        params: list[SamplingParams],
+    ) -> Proposal:
+        drafts = []
+        for tokens, n in zip(token_ids, max_drafts):
+            self.calls += 1
+            draft: list[int] = []
+            for prompt, output in self.runs:
+                if tokens[: len(prompt)] == prompt and output[: len(tokens) - len(prompt)] == tokens[len(prompt) :]:
+                    draft = list(output[len(tokens) - len(prompt) :][:n])
+            if draft and self.calls % 2:
+                draft[self.calls % len(draft)] = (draft[self.calls % len(draft)] + 1) % 512
+            drafts.append(draft)
+        return Proposal(drafts, [None] * len(drafts))
+
+    def remove_request(self, req_id: str) -> None:
+        pass
+
+
+def test_seeded_sampling_with_drafts_without_a_distribution_equals_no_speculation(llama_model: Path) -> None:
+    """Such drafts are kept while they equal each row's own seeded sample: the tokens are those of a run
+    without speculation, alone or in a batch."""
+    base, spec = engine(llama_model), engine(llama_model, ngram())
     prompts = random_prompts(4, 10, 30, seed=8)
-    seeded = SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=42, max_tokens=16, ignore_eos=True)
-    expected = [[c.token_ids for c in o.outputs] for o in base.generate(prompts, seeded, use_tqdm=False)]
-    got = [[c.token_ids for c in o.outputs] for o in spec.generate(prompts, seeded, use_tqdm=False)]
-    assert got == expected
-    alone = spec.generate(prompts[:1], seeded, use_tqdm=False)[0]
-    assert [c.token_ids for c in alone.outputs] == expected[0]
+    seeded = SamplingParams(temperature=0.7, top_p=0.9, seed=42, max_tokens=24, ignore_eos=True)
+    expected = tokens(base.generate(prompts, seeded, use_tqdm=False))
+    spec.engine.runner.proposer = Oracle(prompts, expected)
+    assert tokens(spec.generate(prompts, seeded, use_tqdm=False)) == expected
+    assert tokens(spec.generate(prompts[:1], seeded, use_tqdm=False)) == expected[:1]
+    stats = spec.engine.scheduler.stats.spec
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 def test_chunked_prefill_and_preemption(family_model: Path, partial_draft: Path) -> None:
@@ -220,3 +256,26 @@ def test_a_draft_with_another_vocabulary_is_refused(llama_model: Path, tmp_path:
     other = make_tiny_model(tmp_path / "other", "llama", vocab_size=256)
     with pytest.raises(ValueError, match="vocabulary of 256 tokens"):
         engine(llama_model, draft(other))
+
+
+def test_sampled_drafts_of_a_draft_equal_to_the_target_are_all_accepted(llama_pair: tuple[LLM, LLM]) -> None:
+    """Rejection sampling keeps a draft with probability min(1, p/q): 1 when the draft's q is the target's p."""
+    _, spec = llama_pair
+    before = spec.engine.scheduler.stats.spec.num_accepted_tokens, spec.engine.scheduler.stats.spec.num_draft_tokens
+    sampled = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    spec.generate(random_prompts(2, 10, 30, seed=11), sampled, use_tqdm=False)
+    stats = spec.engine.scheduler.stats.spec
+    accepted, drafted = stats.num_accepted_tokens - before[0], stats.num_draft_tokens - before[1]
+    assert drafted > 20 and accepted >= 0.95 * drafted
+
+
+def test_seeded_sampled_drafts_give_the_same_tokens_alone_and_in_a_batch(
+    family_model: Path, partial_draft: Path
+) -> None:
+    llm = engine(family_model, draft(partial_draft))
+    prompts = random_prompts(4, 10, 30, seed=12)
+    seeded = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=16, ignore_eos=True)
+    batch = tokens(llm.generate(prompts, seeded, use_tqdm=False))
+    alone = tokens(llm.generate(prompts[2:3], seeded, use_tqdm=False))
+    assert alone[0] == batch[2]
+    assert llm.engine.scheduler.stats.spec.num_accepted_tokens > 0

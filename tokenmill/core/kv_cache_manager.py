@@ -99,9 +99,7 @@ class KVCacheManager:
         blocks = self.req_blocks.setdefault(request.req_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total_tokens = num_computed + num_new_tokens
-        num_new_blocks = (
-            self.blocks_needed(total_tokens + num_lookahead_tokens) - len(blocks) - len(computed_blocks)
-        )
+        num_new_blocks = self.blocks_needed(total_tokens + num_lookahead_tokens) - len(blocks) - len(computed_blocks)
         # Cache hits sitting in the free queue are taken out of it, so they count against the budget.
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if max(num_new_blocks, 0) + num_evictable_hits > self.pool.num_free_blocks:

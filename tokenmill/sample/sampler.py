@@ -154,3 +154,26 @@ def _apply_top_k_top_p(
         nucleus_drop[:, -1] = False  # the most likely token always stays
         drop |= nucleus_drop
     logits.masked_fill_(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
+
+
+def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata, bitmask: TokenBitmask | None = None) -> torch.Tensor:
+    """[num_reqs, vocab_size] float32: the distribution each row draws from, the same processing as
+    Sampler (logit_bias, penalties, min_tokens, grammar, temperature, top-k, top-p, min-p); one-hot at
+    the argmax on greedy rows. Speculative decoding's rejection sampler weighs drafts against it."""
+    logits = logits.to(torch.float32, copy=True)
+    _apply_request_adjustments(logits, meta)
+    if bitmask is not None:
+        apply_token_bitmask(logits, bitmask)
+    greedy_ids = logits.argmax(dim=-1)  # [num_reqs]
+    logits /= meta.temperature.unsqueeze(1)
+    if not (meta.no_top_k and meta.no_top_p):
+        _apply_top_k_top_p(logits, None if meta.no_top_k else meta.top_k, None if meta.no_top_p else meta.top_p)
+    probs = logits.softmax(dim=-1)  # [num_reqs, vocab_size]
+    if not meta.no_min_p:
+        threshold = meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [num_reqs, 1]
+        probs.masked_fill_(probs < threshold, 0.0)
+        probs /= probs.sum(dim=-1, keepdim=True)
+    if not meta.no_greedy:
+        one_hot = torch.zeros_like(probs).scatter_(1, greedy_ids.unsqueeze(1), 1.0)
+        probs = torch.where(meta.greedy.unsqueeze(1), one_hot, probs)
+    return probs

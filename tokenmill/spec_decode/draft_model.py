@@ -1,4 +1,5 @@
-"""A smaller model with the target's vocabulary proposes the drafts, greedily.
+"""A smaller model with the target's vocabulary proposes the drafts: its argmax for greedy requests,
+a draw at the request's temperature for sampled ones (verified by rejection sampling against it).
 
 The draft runs on the same engine: the same attention backend, the same block tables (its own KV
 tensors, one block for every target block, so the scheduler's allocation serves both) and, on CPU, the
@@ -18,6 +19,13 @@ import torch
 
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.models.fused_decode import FusedDecode
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.proposer import Proposal
+
+# A seeded request's draft draws use their own stream, apart from the target's (see the model runner).
+_SEED_STRIDE = 1_000_003
+_DRAFT_SALT = 0x5EED_D4AF
+_NO_PROBS = torch.empty(0)  # a greedy draft's q: one-hot, nothing to keep
 
 
 class DraftAttention(Protocol):
@@ -51,9 +59,15 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(
-        self, req_ids: list[str], token_ids: list[list[int]], block_ids: list[list[int]], max_drafts: list[int]
-    ) -> list[list[int]]:
+        self,
+        req_ids: list[str],
+        token_ids: list[list[int]],
+        block_ids: list[list[int]],
+        max_drafts: list[int],
+        params: list[SamplingParams],
+    ) -> Proposal:
         drafts: list[list[int]] = [[] for _ in req_ids]
+        probs: list[list[torch.Tensor]] = [[] for _ in req_ids]
         # A request whose blocks cannot hold its drafts' KV (the scheduler could not reserve the
         # lookahead) proposes fewer, or none.
         counts = [
@@ -61,26 +75,53 @@ class DraftModelProposer:
             for tokens, blocks, n in zip(token_ids, block_ids, max_drafts)
         ]
         active = [i for i, n in enumerate(counts) if n > 0]
-        if not active:
-            return drafts
-        firsts = self._catch_up(
-            [req_ids[i] for i in active], [token_ids[i] for i in active], [block_ids[i] for i in active]
-        )
-        for i, token in zip(active, firsts):
-            drafts[i].append(token)
-        for step in range(1, max(counts)):
+        if active:
+            logits = self._catch_up(
+                [req_ids[i] for i in active], [token_ids[i] for i in active], [block_ids[i] for i in active]
+            )
+            self._pick(logits, active, 0, token_ids, params, drafts, probs)
+        for step in range(1, max(counts, default=0)):
             active = [i for i in active if counts[i] > step]
             if not active:
                 break
             # Feed draft `step - 1` (at position len(tokens) + step - 1) to get draft `step`.
             positions = [len(token_ids[i]) + step - 1 for i in active]
-            nexts = self._decode([drafts[i][-1] for i in active], positions, [block_ids[i] for i in active])
-            for i, token in zip(active, nexts):
-                drafts[i].append(token)
-        return drafts
+            logits = self._decode([drafts[i][-1] for i in active], positions, [block_ids[i] for i in active])
+            self._pick(logits, active, step, token_ids, params, drafts, probs)
+        return Proposal(drafts, [torch.stack(p) if p and p[0].numel() else None for p in probs])
 
-    def _catch_up(self, req_ids: list[str], token_ids: list[list[int]], block_ids: list[list[int]]) -> list[int]:
-        """Feed each request's committed tokens the draft has not seen; returns its first draft."""
+    def _pick(
+        self,
+        logits: torch.Tensor,  # [len(active), vocab]
+        active: list[int],
+        step: int,
+        token_ids: list[list[int]],
+        params: list[SamplingParams],
+        drafts: list[list[int]],
+        probs: list[list[torch.Tensor]],
+    ) -> None:
+        """Each active request's next draft: the argmax for a greedy request; for a sampled one a draw
+        from softmax(logits / temperature), kept as q for the rejection sampler (seeded requests draw
+        from their seed and the draft's position, so their output depends on nothing else)."""
+        greedy = logits.argmax(dim=-1).tolist()
+        for row, i in enumerate(active):
+            p = params[i]
+            if p.greedy:
+                drafts[i].append(greedy[row])
+                probs[i].append(_NO_PROBS)
+                continue
+            q = torch.softmax(logits[row].float() / p.temperature, dim=-1)  # [vocab]
+            generator = None
+            if p.seed is not None:
+                generator = torch.Generator(self.device)
+                generator.manual_seed((p.seed * _SEED_STRIDE + len(token_ids[i]) + step + _DRAFT_SALT) % 2**64)
+            token = int(torch.multinomial(q, 1, generator=generator))
+            drafts[i].append(token)
+            probs[i].append(q)
+
+    def _catch_up(self, req_ids: list[str], token_ids: list[list[int]], block_ids: list[list[int]]) -> torch.Tensor:
+        """Feed each request's committed tokens the draft has not seen; returns the logits of its last
+        one, [num_reqs, vocab], which give its first draft."""
         starts = [min(self.computed.get(r, 0), len(t) - 1) for r, t in zip(req_ids, token_ids)]
         inputs: list[int] = []
         positions: list[int] = []
@@ -98,19 +139,15 @@ class DraftModelProposer:
         last_rows = torch.tensor(meta.query_start_loc_cpu[1:], device=self.device) - 1
         for req_id, tokens in zip(req_ids, token_ids):
             self.computed[req_id] = len(tokens)
-        return self._argmax(hidden[last_rows])
+        return self.model.compute_logits(hidden[last_rows])
 
-    def _decode(self, inputs: list[int], positions: list[int], block_ids: list[list[int]]) -> list[int]:
+    def _decode(self, inputs: list[int], positions: list[int], block_ids: list[list[int]]) -> torch.Tensor:
+        """One decode step of the draft; the logits, [num_reqs, vocab]."""
         meta = self._metadata(positions, [1] * len(inputs), [p + 1 for p in positions], block_ids)
         ids = torch.tensor(inputs, dtype=torch.int64, device=self.device)  # [num_reqs]
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         hidden = self.fused(ids, pos, meta) if self.fused is not None else self.model(ids, pos, meta)
-        return self._argmax(hidden)
-
-    def _argmax(self, hidden: torch.Tensor) -> list[int]:
-        logits = self.model.compute_logits(hidden)  # [num_reqs, vocab]
-        tokens: list[int] = logits.argmax(dim=-1).tolist()
-        return tokens
+        return self.model.compute_logits(hidden)
 
     def _metadata(
         self, positions: list[int], query_lens: list[int], seq_lens: list[int], block_ids: list[list[int]]

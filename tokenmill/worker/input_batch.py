@@ -10,6 +10,8 @@ import torch
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.sampling_params import SamplingParams
 
+_SEED_STRIDE = 1_000_003
+
 
 @dataclass
 class RunnerRequestState:
@@ -22,6 +24,16 @@ class RunnerRequestState:
     generator: torch.Generator | None = None
     # A seeded request's generators for its draft positions (speculative decoding), made on first use.
     draft_generators: list[torch.Generator] = field(default_factory=list)
+    # The distributions its proposed drafts were drawn from, [num_drafts, vocab] (a draft model's
+    # sampled drafts); None: the drafts are guesses without one.
+    draft_probs: torch.Tensor | None = None
+
+    def position_seed(self, offset: int, salt: int = 0) -> int:
+        """A seeded request's seed for the position `offset` tokens after its last one: its samples
+        then depend on nothing else (not the batch, not preemption, not speculation)."""
+        seed = self.sampling_params.seed or 0
+        # Any Python int is a valid seed: fold it into a generator's 64 bits.
+        return (seed * _SEED_STRIDE + len(self.token_ids) + offset + salt) % 2**64
 
     @property
     def output_token_ids(self) -> list[int]:

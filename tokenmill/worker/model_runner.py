@@ -28,17 +28,7 @@ from tokenmill.worker.draft_loader import load_draft_model
 from tokenmill.worker.input_batch import RunnerRequestState, StepBatch, build_step_batch
 from tokenmill.worker.model_interface import CausalLM
 from tokenmill.worker.model_loader import load_model
-
-# Seeded requests reseed their generator from (seed, output position) each step, so a request's
-# samples depend on nothing else: not batch composition, not preemption and recompute, not speculation.
-_SEED_STRIDE = 1_000_003
-
-
-def _seed(generator: torch.Generator, state: RunnerRequestState, offset: int) -> None:
-    """Seed for the position `offset` tokens after the request's last one."""
-    seed = state.sampling_params.seed or 0
-    # Any Python int is a valid seed: fold it into the generator's 64 bits.
-    generator.manual_seed((seed * _SEED_STRIDE + len(state.token_ids) + offset) % 2**64)
+from tokenmill.worker.spec_verify import accepted_tokens, verify_metadata
 
 
 def kv_cache_bytes_per_block(config: EngineConfig, draft_hf_config: Any = None) -> int:
@@ -279,83 +269,81 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, batch: StepBatch, output: ModelRunnerOutput) -> None:
         """Every forward path (a CUDA graph, the fused C++ decode stack, layer by layer) ends at the hidden
-        states: the LM head, a grammar's mask and sampling all run here, for every kind of step.
-
-        A request verifying k drafts samples k + 1 rows, row j as if its output already held drafts[:j]
-        (penalties, min_tokens, seeds). It keeps the drafts while each equals the token its row sampled,
-        then emits the first sample that differs (or, with every draft kept, the last row's: a bonus
-        token). For drafts that are guesses without a distribution (n-gram lookup, a greedy draft) this
-        is rejection sampling with a one-hot proposal q: a draft is kept with probability p(draft) =
-        min(1, p/q), and the sample that replaces a rejected one follows p given it is not the draft,
-        i.e. the normalized max(p - q, 0). Each row draws as the sampler does without speculation (a
-        seeded row from its own position's seed), so greedy and seeded outputs equal a run without it."""
+        states: the LM head, a grammar's mask and sampling all run here, for every kind of step. A step
+        that verifies drafts samples a row per verified position (worker/spec_verify.py)."""
         # Every row samples (a decode step): the rows are the logits' rows already, in order.
         rows = hidden if hidden.shape[0] == batch.logits_indices.numel() else hidden[batch.logits_indices]
         logits = self.model.compute_logits(rows)  # [num_sample_rows, vocab]
         states = [self.states[r] for r in batch.sample_req_ids]
-        if batch.draft_token_ids is None:
-            drafts: list[list[int]] = [[] for _ in states]
+        drafts = batch.draft_token_ids
+        if drafts is None:
             for state in states:
                 if state.generator is not None:
-                    _seed(state.generator, state, 0)
+                    state.generator.manual_seed(state.position_seed(0))
             meta = self._sampling_metadata(states)
-            row_states = states
+            row_req_ids = batch.sample_req_ids
         else:
-            drafts = batch.draft_token_ids
-            meta = self._verify_metadata(states, drafts)
-            row_states = [state for state, draft in zip(states, drafts) for _ in range(len(draft) + 1)]
+            meta = verify_metadata(
+                states, drafts, self._row_generator, self.eos_token_ids, self.vocab_size, self.device
+            )
+            row_req_ids = [state.req_id for state, draft in zip(states, drafts) for _ in range(len(draft) + 1)]
         # Constrained requests never carry drafts (see _propose): one row each.
-        bitmask = self.structured.bitmask([state.req_id for state in row_states])
+        bitmask = self.structured.bitmask(row_req_ids)
         result = self.sampler(logits, meta, bitmask)
         sampled = result.sampled_token_ids.tolist()  # the step's one host sync for sampling
-        emitted_rows: list[int] = []  # the rows whose samples are emitted, in request order
-        row = 0
-        for state, draft in zip(states, drafts):
-            num_kept = 0
-            while num_kept < len(draft) and sampled[row + num_kept] == draft[num_kept]:
-                num_kept += 1
-            tokens = sampled[row : row + num_kept + 1]
-            emitted_rows.extend(range(row, row + num_kept + 1))
+        if drafts is None:
+            emitted = [[token] for token in sampled]
+        else:
+            emitted = accepted_tokens(sampled, states, drafts, logits, meta, bitmask)
+        for state, tokens in zip(states, emitted):
             state.token_ids.extend(tokens)
             output.sampled_token_ids[state.req_id] = tokens
-            row += len(draft) + 1
         if bitmask is not None:
-            self.structured.accept(batch.sample_req_ids, [output.sampled_token_ids[r][0] for r in batch.sample_req_ids])
+            self.structured.accept(batch.sample_req_ids, [tokens[0] for tokens in emitted])
         if result.topk_token_ids is None or result.topk_logprobs is None or result.sampled_ranks is None:
             return
-        lp_rows = [r for r in emitted_rows if row_states[r].sampling_params.logprobs is not None]
+        if drafts is not None:
+            self._verified_logprobs(logits, states, drafts, emitted, output)
+            return
+        lp_rows = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
         entries = to_token_logprobs(
             result.topk_token_ids[lp_rows],
             result.topk_logprobs[lp_rows],
             result.sampled_ranks[lp_rows],
-            num_logprobs=[row_states[r].sampling_params.logprobs or 0 for r in lp_rows],
+            num_logprobs=[states[i].sampling_params.logprobs or 0 for i in lp_rows],
         )
-        for r, entry in zip(lp_rows, entries):
-            output.logprobs.setdefault(row_states[r].req_id, []).append(entry)
+        for i, entry in zip(lp_rows, entries):
+            output.logprobs[states[i].req_id] = [entry]
 
-    def _verify_metadata(self, states: list[RunnerRequestState], drafts: list[list[int]]) -> SamplingMetadata:
-        """Sampling tensors of a step that verifies drafts: one row per verified position."""
-        params: list[SamplingParams] = []
-        prompts: list[list[int]] = []
-        outputs: list[list[int]] = []
-        generators: list[torch.Generator | None] = []
-        for state, draft in zip(states, drafts):
-            prompt = state.token_ids[: state.num_prompt_tokens]
-            output_ids = state.output_token_ids
-            for j in range(len(draft) + 1):
-                params.append(state.sampling_params)
-                prompts.append(prompt)
-                outputs.append(output_ids + draft[:j])
-                generators.append(self._row_generator(state, j))
-        return SamplingMetadata.build(
-            params=params,
-            prompt_token_ids=prompts,
-            output_token_ids=outputs,
-            generators=generators,
-            eos_token_ids=self.eos_token_ids,
-            vocab_size=self.vocab_size,
-            device=self.device,
-        )
+    def _verified_logprobs(
+        self,
+        logits: torch.Tensor,  # [num_rows, vocab]
+        states: list[RunnerRequestState],
+        drafts: list[list[int]],
+        emitted: list[list[int]],
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Logprobs of each emitted token at its own row (a rejection sampler's token need not be the
+        row's sample, so the sampler's are not reused)."""
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[RunnerRequestState] = []
+        start = 0
+        for state, draft, tokens in zip(states, drafts, emitted):
+            if state.sampling_params.logprobs is not None:
+                rows.extend(range(start, start + len(tokens)))
+                targets.extend(tokens)
+                owners.extend([state] * len(tokens))
+            start += len(draft) + 1
+        if not rows:
+            return
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        raw = logits[index].to(torch.float32).log_softmax(dim=-1)  # [len(rows), vocab]
+        wanted = [s.sampling_params.logprobs or 0 for s in owners]
+        target_ids = torch.tensor(targets, dtype=torch.int64, device=self.device)
+        ids, values, ranks = compute_topk_logprobs(raw, target_ids, max(wanted))
+        for state, entry in zip(owners, to_token_logprobs(ids, values, ranks, num_logprobs=wanted)):
+            output.logprobs.setdefault(state.req_id, []).append(entry)
 
     def _row_generator(self, state: RunnerRequestState, j: int) -> torch.Generator | None:
         """A seeded request's generator for its j-th verified position, seeded for that position."""
@@ -367,7 +355,7 @@ class ModelRunner:
             while len(state.draft_generators) < j:
                 state.draft_generators.append(torch.Generator(self.device))
             generator = state.draft_generators[j - 1]
-        _seed(generator, state, j)
+        generator.manual_seed(state.position_seed(j))
         return generator
 
     def _propose(self, num_step_reqs: int, req_ids: list[str], output: ModelRunnerOutput) -> None:
@@ -389,10 +377,15 @@ class ModelRunner:
                 max_drafts.append(min(room, spec.num_speculative_tokens))
         if not chosen:
             return
-        proposals = self.proposer.propose(
-            [s.req_id for s in chosen], [s.token_ids for s in chosen], [s.block_ids for s in chosen], max_drafts
+        proposal = self.proposer.propose(
+            [s.req_id for s in chosen],
+            [s.token_ids for s in chosen],
+            [s.block_ids for s in chosen],
+            max_drafts,
+            [s.sampling_params for s in chosen],
         )
-        for state, draft in zip(chosen, proposals):
+        for state, draft, probs in zip(chosen, proposal.drafts, proposal.probs):
+            state.draft_probs = probs  # what the verifier weighs these drafts against next step
             if draft:
                 output.spec_token_ids[state.req_id] = draft
 
