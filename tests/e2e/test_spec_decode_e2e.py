@@ -4,6 +4,7 @@ preemption, prefix hits, stops and max_tokens landing inside a run of accepted d
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from tests.tiny_models import hf_model, make_tiny_model, make_tiny_tokenizer, random_prompts
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, SamplingParams, StructuredOutputsParams
 from tokenmill.outputs import RequestOutput
 from tokenmill.spec_decode.proposer import Proposal
 
@@ -279,3 +280,25 @@ def test_seeded_sampled_drafts_give_the_same_tokens_alone_and_in_a_batch(
     alone = tokens(llm.generate(prompts[2:3], seeded, use_tqdm=False))
     assert alone[0] == batch[2]
     assert llm.engine.scheduler.stats.spec.num_accepted_tokens > 0
+
+
+def test_structured_output_with_drafts_follows_the_schema_and_equals_no_speculation(tmp_path: Path) -> None:
+    """The grammar's mask applies at every verified position: a draft it refuses is rejected."""
+    model = make_tiny_model(tmp_path / "m", "llama")
+    make_tiny_tokenizer().save_pretrained(model)
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer", "maximum": 999}},
+        "required": ["color", "n"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema))
+    prompts = ["The capital of", "hello", "Answer in JSON:"]
+    expected = [o.outputs[0].text for o in engine(model).generate(prompts, params, use_tqdm=False)]
+    for spec in (draft(model), ngram()):
+        llm = engine(model, spec)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].text for o in outputs] == expected
+        for out in outputs:
+            assert set(json.loads(out.outputs[0].text)) == {"color", "n"}
+        assert llm.engine.scheduler.stats.spec.num_draft_tokens > 0

@@ -94,7 +94,7 @@ def test_bitmask_allows_exactly_the_tokens_the_matcher_accepts_one_by_one(backen
             assert [got[0], got[2]] == expected, specs
             assert all(t < 300 for row in expected for t in row)
             picks = [rng.choice(sorted(row)) for row in expected]
-            structured.accept(live, [picks[0], 7, picks[1]])
+            structured.accept(live, [[picks[0]], [7], [picks[1]]])
             for ref, pick in zip(refs, picks):
                 assert ref.consume_token(pick)
             if EOS in picks:
@@ -143,7 +143,7 @@ def test_a_resumed_request_replays_its_outputs_once(backend: LLGuidanceBackend, 
     stepwise = manager(backend)
     stepwise.add_request("r", spec, [])
     for token in outputs:
-        stepwise.accept(["r"], [token])
+        stepwise.accept(["r"], [[token]])
     resumed = manager(backend)
     resumed.add_request("r", spec, outputs)
     a, b = stepwise.bitmask(["r"]), resumed.bitmask(["r"])
@@ -308,3 +308,32 @@ def test_min_tokens_never_bans_eos_on_a_grammars_row() -> None:
     params = [SamplingParams(min_tokens=3), SamplingParams(min_tokens=3, structured_outputs=spec)]
     meta = SamplingMetadata.build(params, [[0]] * 2, [[]] * 2, [None] * 2, [EOS], 8, CPU)
     assert meta.min_tokens_rows.tolist() == [0]
+
+
+def test_draft_rows_hold_the_mask_after_each_draft_and_leave_the_matcher_where_it_was(
+    backend: LLGuidanceBackend, tokenizer: Any
+) -> None:
+    """Speculative decoding: row j is the mask after drafts[:j]; a refused draft ends the walk (later
+    rows repeat the last mask) without breaking the matcher, which is rolled back to where it was."""
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    prefix = tokenizer.encode('{"a": 4')
+    walked, reference = manager(backend), manager(backend)
+    walked.add_request("r", spec, [])
+    reference.add_request("r", spec, [])
+    refused = tokenizer.encode("x")[0]  # not a JSON continuation here
+    drafts = [prefix[0], prefix[1], refused, prefix[2]]
+    mask = walked.bitmask(["r"], [drafts])
+    assert mask is not None and mask.bits.shape == (5, backend.num_words) and mask.rows is None
+    expected = []
+    for j in range(3):  # the masks before drafts 0, 1 and 2 (the refused one)
+        step = reference.bitmask(["r"])
+        assert step is not None
+        expected.append(step.bits.clone())
+        if j < 2:
+            reference.accept(["r"], [[prefix[j]]])
+    assert torch.equal(mask.bits[0], expected[0][0]) and torch.equal(mask.bits[1], expected[1][0])
+    assert all(torch.equal(mask.bits[j], expected[2][0]) for j in (2, 3, 4))
+    again = walked.bitmask(["r"])  # rolled back: the mask before any draft, and still usable
+    assert again is not None and torch.equal(again.bits[0], expected[0][0])
+    walked.accept(["r"], [prefix])  # accepts without a warning: not broken
+    assert walked.matchers["r"].num_valid_prefix([refused]) == 0

@@ -26,6 +26,10 @@ class GrammarMatcher(Protocol):
         """Undo the last `num_tokens` accepted tokens."""
         ...
 
+    def num_valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, from the first, the grammar would accept next; changes nothing."""
+        ...
+
     def is_terminated(self) -> bool:
         """Whether the grammar is complete: nothing but eos may follow."""
         ...

@@ -117,5 +117,9 @@ class LLGuidanceMatcher:
         if num_tokens > uncounted:
             self._matcher.rollback(num_tokens - uncounted)
 
+    def num_valid_prefix(self, token_ids: list[int]) -> int:
+        valid: int = self._matcher.validate_tokens(token_ids)
+        return valid
+
     def is_terminated(self) -> bool:
         return self._matcher.is_stopped()

@@ -37,37 +37,65 @@ class StructuredOutputManager:
     def remove_request(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
 
-    def bitmask(self, req_ids: list[str]) -> TokenBitmask | None:
-        """The allowed tokens of the constrained ones among the step's sampling rows `req_ids`, or None.
+    def bitmask(self, req_ids: list[str], drafts: list[list[int]] | None = None) -> TokenBitmask | None:
+        """The allowed tokens of the constrained ones among the step's sampling requests `req_ids`, or
+        None. With drafts (speculative decoding), request i has len(drafts[i]) + 1 rows: row j is the
+        mask after its drafts[:j], walked on its matcher and rolled back (a draft the grammar refuses
+        ends the walk: later rows repeat the last mask, and the refused draft is rejected anyway).
 
         Computed on the host after the forward, before sampling. A worker thread could overlap it with
         the forward, but on a small CPU it would take a core from the GEMMs, for work that is small next
         to the forward's."""
         if not self.matchers:
             return None
-        rows = [i for i, req_id in enumerate(req_ids) if req_id in self.matchers]
+        counts = [len(d) + 1 for d in drafts] if drafts is not None else [1] * len(req_ids)
+        rows: list[int] = []
+        slots: list[tuple[str, list[int]]] = []
+        start = 0
+        for i, (req_id, count) in enumerate(zip(req_ids, counts)):
+            if req_id in self.matchers:
+                rows.extend(range(start, start + count))
+                slots.append((req_id, drafts[i] if drafts is not None else []))
+            start += count
         if not rows:
             return None
-        host = self._host()
-        for slot, row in enumerate(rows):
-            self.matchers[req_ids[row]].fill_bitmask(host, slot)
-        bits = host[: len(rows)]  # [num_constrained, num_words]
+        host = self._host(len(rows))
+        slot = 0
+        for req_id, draft in slots:
+            slot = self._fill_walk(self.matchers[req_id], draft, host, slot)
+        bits = host[: len(rows)]  # [num_constrained_rows, num_words]
         if self.device.type == "cuda":  # pinned: the copy overlaps; the step's sync comes before the next fill
             bits = bits.to(self.device, non_blocking=True)
-        index = None if len(rows) == len(req_ids) else to_device(rows, torch.int64, self.device)
+        index = None if len(rows) == start else to_device(rows, torch.int64, self.device)
         return TokenBitmask(bits, index)
 
-    def accept(self, req_ids: list[str], token_ids: list[int]) -> None:
-        """Advance the constrained requests' matchers over the tokens they sampled."""
-        for req_id, token in zip(req_ids, token_ids):
-            matcher = self.matchers.get(req_id)
-            if matcher is not None and not matcher.accept_tokens([token]):
-                # Cannot happen for a token the mask allowed; the broken matcher allows only eos next.
-                logger.warning("request %s: its grammar rejects the sampled token %d", req_id, token)
+    @staticmethod
+    def _fill_walk(matcher: GrammarMatcher, draft: list[int], host: torch.Tensor, slot: int) -> int:
+        """Fill rows slot.. with the masks before each draft token and after the last; the next slot."""
+        matcher.fill_bitmask(host, slot)
+        # Only the drafts the grammar takes are walked: a refused token would break the matcher.
+        walked = matcher.num_valid_prefix(draft) if draft else 0
+        for j in range(walked):
+            matcher.accept_tokens([draft[j]])
+            matcher.fill_bitmask(host, slot + j + 1)
+        for j in range(walked + 1, len(draft) + 1):
+            host[slot + j] = host[slot + walked]
+        if walked:
+            matcher.rollback(walked)
+        return slot + len(draft) + 1
 
-    def _host(self) -> torch.Tensor:
-        if self._host_bitmask is None:
-            shape = (self.max_num_seqs, self.grammars.backend.num_words)
+    def accept(self, req_ids: list[str], token_ids: list[list[int]]) -> None:
+        """Advance the constrained requests' matchers over the tokens they emitted this step."""
+        for req_id, tokens in zip(req_ids, token_ids):
+            matcher = self.matchers.get(req_id)
+            if matcher is not None and not matcher.accept_tokens(tokens):
+                # Cannot happen for tokens the masks allowed; the broken matcher allows only eos next.
+                logger.warning("request %s: its grammar rejects the sampled tokens %s", req_id, tokens)
+
+    def _host(self, num_rows: int) -> torch.Tensor:
+        """The host buffer, [>= num_rows, num_words] int32 (pinned on CUDA), grown as needed."""
+        if self._host_bitmask is None or self._host_bitmask.shape[0] < num_rows:
+            shape = (max(num_rows, self.max_num_seqs), self.grammars.backend.num_words)
             pinned = self.device.type == "cuda"
             self._host_bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=pinned)
         return self._host_bitmask

@@ -281,14 +281,11 @@ class ModelRunner:
                 if state.generator is not None:
                     state.generator.manual_seed(state.position_seed(0))
             meta = self._sampling_metadata(states)
-            row_req_ids = batch.sample_req_ids
         else:
             meta = verify_metadata(
                 states, drafts, self._row_generator, self.eos_token_ids, self.vocab_size, self.device
             )
-            row_req_ids = [state.req_id for state, draft in zip(states, drafts) for _ in range(len(draft) + 1)]
-        # Constrained requests never carry drafts (see _propose): one row each.
-        bitmask = self.structured.bitmask(row_req_ids)
+        bitmask = self.structured.bitmask(batch.sample_req_ids, drafts)
         result = self.sampler(logits, meta, bitmask)
         sampled = result.sampled_token_ids.tolist()  # the step's one host sync for sampling
         if drafts is None:
@@ -299,7 +296,7 @@ class ModelRunner:
             state.token_ids.extend(tokens)
             output.sampled_token_ids[state.req_id] = tokens
         if bitmask is not None:
-            self.structured.accept(batch.sample_req_ids, [tokens[0] for tokens in emitted])
+            self.structured.accept(batch.sample_req_ids, emitted)
         if result.topk_token_ids is None or result.topk_logprobs is None or result.sampled_ranks is None:
             return
         if drafts is not None:
@@ -359,8 +356,9 @@ class ModelRunner:
         return generator
 
     def _propose(self, num_step_reqs: int, req_ids: list[str], output: ModelRunnerOutput) -> None:
-        """Draft tokens for the next step of the requests that sampled. None above disable_by_batch_size
-        running requests, and none for a constrained request (its grammar would have to check them)."""
+        """Draft tokens for the next step of the requests that sampled; none above disable_by_batch_size
+        running requests. A constrained request's drafts are checked by its grammar's masks at every
+        verified position (StructuredOutputManager.bitmask)."""
         spec = self.config.speculative
         if self.proposer is None or spec is None or num_step_reqs > spec.disable_by_batch_size:
             return
@@ -372,7 +370,7 @@ class ModelRunner:
             max_tokens = state.sampling_params.max_tokens or 0
             # The step that verifies k drafts emits up to k + 1 tokens: never past max_tokens or the context.
             room = min(max_tokens - len(state.output_token_ids) - 1, max_model_len - len(state.token_ids))
-            if room > 0 and req_id not in self.structured.matchers:
+            if room > 0:
                 chosen.append(state)
                 max_drafts.append(min(room, spec.num_speculative_tokens))
         if not chosen:
