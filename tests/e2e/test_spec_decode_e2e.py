@@ -15,6 +15,7 @@ from tests.tiny_models import hf_model, make_tiny_model, make_tiny_tokenizer, ra
 from tokenmill import LLM, SamplingParams, StructuredOutputsParams
 from tokenmill.outputs import RequestOutput
 from tokenmill.spec_decode.proposer import Proposal
+from tokenmill.worker.model_runner import kv_cache_bytes_per_block
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -302,3 +303,11 @@ def test_structured_output_with_drafts_follows_the_schema_and_equals_no_speculat
         for out in outputs:
             assert set(json.loads(out.outputs[0].text)) == {"color", "n"}
         assert llm.engine.scheduler.stats.spec.num_draft_tokens > 0
+
+
+def test_the_draft_models_cache_counts_in_the_kv_budget(llama_pair: tuple[LLM, LLM]) -> None:
+    base, spec = llama_pair
+    target_only = kv_cache_bytes_per_block(spec.engine.config)
+    assert base.engine.runner.kv_cache_bytes_per_block() == target_only
+    assert spec.engine.runner.kv_cache_bytes_per_block() == 2 * target_only  # a draft of the same shape
+    assert len(spec.engine.runner.kv_caches) == 2 * len(base.engine.runner.kv_caches)

@@ -259,7 +259,9 @@ class ModelRunner:
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         """A decode step that fits a captured graph replays it (its output is a view, valid until the
-        graph's next replay); on CPU a decode step runs the fused C++ stack; every other step runs eagerly."""
+        graph's next replay); on CPU a step whose requests have at most FusedDecode.MAX_QUERY_LEN query
+        tokens each (decode rows, verification of drafts) runs the fused C++ stack; every other step
+        runs eagerly."""
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             return self.cuda_graphs.run(batch)
         meta = batch.attn_metadata
