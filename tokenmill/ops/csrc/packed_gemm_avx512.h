@@ -42,8 +42,13 @@ constexpr int64_t kGroup = 32;      // int8: activation values per scale (8 quad
 constexpr int64_t kRowBlock = 128;  // activation rows kept hot (L2) while a thread's panels stream past
 constexpr int kStreams = 2;         // weight streams per thread with one activation row
 
-// Independent partial sums per tile so enough dot products are in flight (latency ~6 cycles).
-constexpr int unroll_for(int accumulators) { return accumulators >= 8 ? 1 : accumulators >= 4 ? 2 : 4; }
+// Partial sums per output: one, in k order, for every tile shape. A row's result is then the same
+// bits whether it runs alone (decode), in a tile of 8 (prefill, a batch) or as one of a request's
+// verified positions (speculative decoding), so greedy output never depends on the batch: rows that
+// were split into 4 sums to hide the dot products' latency rounded differently from 8-row tiles, and
+// the next layer's bf16 rounding of the activations grew that into different tokens. Measured: no
+// slower at batch 1 (memory bound), where the split sums were meant to help.
+constexpr int unroll_for(int) { return 1; }
 
 // ------------------------------------------------------------------------------- activations
 // A buffer the conversion overwrites: no zeroing pass (a prefill's activations are megabytes).

@@ -43,8 +43,10 @@ constexpr int64_t ahead_blocks() {
 // attend_head): the values must arrive during the scores. Well inside L2.
 constexpr int64_t kFetchAllBytes = 256 * 1024;
 
-// Independent sums per row so enough dot products are in flight (latency ~6 cycles).
-constexpr int unroll_for(int rows) { return rows >= 8 ? 1 : rows >= 4 ? 2 : 4; }
+// One sum per score, in head_dim order, for every tile's row count, so a query's scores are the same
+// bits alone (decode) or in a tile of a prompt chunk or a speculative verification (see unroll_for in
+// packed_gemm_avx512.h: a batch must never change a greedy token).
+constexpr int unroll_for(int) { return 1; }
 
 // Requests `bytes` from p on into L2, not L1: L1 tracks few misses at a time, too few to cover the
 // latency of blocks that lie anywhere in the pool (hence prefetcht2, not prefetcht0).
