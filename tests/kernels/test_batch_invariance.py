@@ -1,9 +1,13 @@
-"""A row's numbers never depend on the rows beside it: the packed GEMM and the AVX-512 paged attention
-sum in one fixed order whatever the tile shape, so decode (one row), prefill (many) and speculative
-verification (1 + k rows) give the same bits, and greedy tokens the same, batched or not."""
+"""A row's numbers never depend on the rows beside it: the packed GEMM (AVX-512 and AVX2) and the AVX-512
+paged attention sum in one fixed order whatever the tile shape, so decode (one row), prefill (many) and
+speculative verification (1 + k rows) give the same bits, and greedy tokens the same, batched or not.
+The AVX2 build (TOKENMILL_CPU_ISA=avx2) runs this file again in a subprocess (the last test)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,13 +19,16 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.ops import build, packed_gemm
 from tokenmill.quant import Bf16Linear, Int8Linear
 
+REPO = Path(__file__).resolve().parents[2]
+needs_gemm = pytest.mark.skipif(not packed_gemm.available(), reason="the packed GEMM could not be built here")
+# AVX2 machines prefill through SDPA, not the decode kernel: only the GEMM is compared there.
 needs_avx512 = pytest.mark.skipif(
     not (packed_gemm.available() and packed_gemm.isa() == "avx512" and build.cpu_has_avx512_bf16()),
-    reason="the fixed-order sums are the AVX-512 kernels' (the AVX2 float path still splits its sums)",
+    reason="decode and prefill share one attention kernel only with AVX-512 BF16",
 )
 
 
-@needs_avx512
+@needs_gemm
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 @pytest.mark.parametrize("num_rows", [2, 3, 5, 8, 9, 17])
 def test_a_rows_gemm_output_is_the_same_alone_and_in_a_batch(kind: str, num_rows: int) -> None:
@@ -56,3 +63,15 @@ def test_decode_and_prefill_give_the_same_logprobs_bit_for_bit(tmp_path: Path, q
     for j, token in enumerate(decoded.token_ids):
         entry = prefill[j]
         assert entry is not None and entry[token].logprob == decoded.logprobs[j][token].logprob
+
+
+@pytest.mark.timeout(1800)  # builds the kernels for AVX2 on first use
+@pytest.mark.skipif(not build.cpu_has_avx2(), reason="this CPU cannot run code built for AVX2 (x86-64-v3)")
+@pytest.mark.skipif(build.cpu_isa() == "avx2", reason="this process is the AVX2 build already")
+def test_the_avx2_build_passes_these_tests() -> None:
+    env = {**os.environ, build.ISA_ENV: "avx2"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__, "-k", "not avx2_build"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1700)
+    assert proc.returncode == 0, f"under {build.ISA_ENV}=avx2:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert " passed" in proc.stdout

@@ -77,11 +77,11 @@ def make_chat_model(folder: Path, chat_template: str = CHATML) -> Path:
     return folder
 
 
-def long_context_copy(model: Path, dest: Path) -> Path:
-    """A copy of `model` whose config allows 4,096 positions, for generations that must run long."""
+def long_context_copy(model: Path, dest: Path, positions: int = 4096) -> Path:
+    """A copy of `model` whose config allows `positions` positions, for generations that must run long."""
     shutil.copytree(model, dest)
     config = json.loads((dest / "config.json").read_text())
-    config["max_position_embeddings"] = 4096
+    config["max_position_embeddings"] = positions
     (dest / "config.json").write_text(json.dumps(config))
     return dest
 

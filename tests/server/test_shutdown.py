@@ -35,7 +35,8 @@ def _stream(url: str, body: dict[str, Any], result: dict[str, Any]) -> None:
 
 
 def test_sigterm_drains_then_aborts_then_exits(chat_model: Path, tmp_path: Path) -> None:
-    model = long_context_copy(chat_model, tmp_path / "model")
+    # The long requests must outlast the drain on a fast machine: 16,000 tokens take several seconds.
+    model = long_context_copy(chat_model, tmp_path / "model", positions=16384)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [
@@ -49,7 +50,7 @@ def test_sigterm_drains_then_aborts_then_exits(chat_model: Path, tmp_path: Path)
         "--dtype",
         "float32",
         "--num-kv-blocks",
-        "1024",
+        "2048",
         "--max-num-seqs",
         "8",
         "--shutdown-timeout",
@@ -62,7 +63,7 @@ def test_sigterm_drains_then_aborts_then_exits(chat_model: Path, tmp_path: Path)
     try:
         _wait_ready(url, proc)
         short = [{"prompt": [5, 6, 7], "max_tokens": 24, "ignore_eos": True, "stream": True} for _ in range(3)]
-        long = [{"prompt": [8, 9], "max_tokens": 4000, "ignore_eos": True, "stream": True} for _ in range(2)]
+        long = [{"prompt": [8, 9], "max_tokens": 16000, "ignore_eos": True, "stream": True} for _ in range(2)]
         results: list[dict[str, Any]] = [{} for _ in short + long]
         threads = [threading.Thread(target=_stream, args=(url, b, r)) for b, r in zip(short + long, results)]
         for t in threads:

@@ -68,47 +68,22 @@ inline void widen16(const uint16_t* w, __m256& lo, __m256& hi) {  // interleaved
   hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// One register tile: MR activation rows x 16 output channels, over all of K. With few rows the
-// K loop is split into U interleaved partial sums so enough FMAs are in flight.
-template <int MR, int U, typename W>
+// One register tile: MR activation rows x 16 output channels, over all of K: one sum per output in k
+// order, for every row count (interleaved partial sums would keep more FMAs in flight with few rows,
+// but round differently), so a row's result is the same bits alone (decode) or in a tile (prefill, a
+// batch, a speculative verification step), as on AVX-512 (see unroll_for in packed_gemm_avx512.h).
+template <int MR, typename W>
 inline void tile(const float* x, int64_t ldx, const W* panel, int64_t K, __m256 (&out)[MR][2]) {
-  __m256 acc[U][MR][2];
 #pragma GCC unroll 8
-  for (int u = 0; u < U; ++u)
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) acc[u][i][0] = acc[u][i][1] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + U <= K; k += U) {
-#pragma GCC unroll 8
-    for (int u = 0; u < U; ++u) {
-      __m256 w0, w1;
-      widen16(panel + (k + u) * kPanel, w0, w1);
-#pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) {
-        const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k + u);
-        acc[u][i][0] = _mm256_fmadd_ps(xv, w0, acc[u][i][0]);
-        acc[u][i][1] = _mm256_fmadd_ps(xv, w1, acc[u][i][1]);
-      }
-    }
-  }
-  for (; k < K; ++k) {
+  for (int i = 0; i < MR; ++i) out[i][0] = out[i][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
     __m256 w0, w1;
     widen16(panel + k * kPanel, w0, w1);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);
-      acc[0][i][0] = _mm256_fmadd_ps(xv, w0, acc[0][i][0]);
-      acc[0][i][1] = _mm256_fmadd_ps(xv, w1, acc[0][i][1]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-    out[i][0] = acc[0][i][0];
-    out[i][1] = acc[0][i][1];
-#pragma GCC unroll 8
-    for (int u = 1; u < U; ++u) {
-      out[i][0] = _mm256_add_ps(out[i][0], acc[u][i][0]);
-      out[i][1] = _mm256_add_ps(out[i][1], acc[u][i][1]);
+      out[i][0] = _mm256_fmadd_ps(xv, w0, out[i][0]);
+      out[i][1] = _mm256_fmadd_ps(xv, w1, out[i][1]);
     }
   }
 }
@@ -130,48 +105,30 @@ inline void store_row(const __m256 (&acc)[2], float row_scale, const float* scal
   }
 }
 
-template <int MR, int U, typename W>
+template <int MR, typename W>
 void rows(const float* x, int64_t ldx, const W* panel, int64_t K, const float* scale, const float* bias, float* y,
           int64_t ldy, int64_t num_cols) {
   __m256 out[MR][2];
-  tile<MR, U, W>(x, ldx, panel, K, out);
+  tile<MR, W>(x, ldx, panel, K, out);
   for (int i = 0; i < MR; ++i) store_row(out[i], 1.0f, scale, bias, y + i * ldy, num_cols);
 }
 
-// One activation row against two panels at once (each broadcast of x feeds both).
+// One activation row against two panels at once (each broadcast of x feeds both); one sum per output
+// in k order, as tile's.
 template <typename W>
 inline void tile_pair(const float* x, const W* a, const W* b, int64_t K, __m256 (&out)[2][2]) {
-  __m256 acc[2][2][2];  // [panel][partial sum][channels 0-7 | 8-15]
-  for (auto& panel : acc)
-    for (auto& sum : panel) sum[0] = sum[1] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 2 <= K; k += 2) {
-#pragma GCC unroll 8
-    for (int u = 0; u < 2; ++u) {
-      const __m256 xv = _mm256_broadcast_ss(x + k + u);
-      __m256 w0, w1;
-      widen16(a + (k + u) * kPanel, w0, w1);
-      acc[0][u][0] = _mm256_fmadd_ps(xv, w0, acc[0][u][0]);
-      acc[0][u][1] = _mm256_fmadd_ps(xv, w1, acc[0][u][1]);
-      widen16(b + (k + u) * kPanel, w0, w1);
-      acc[1][u][0] = _mm256_fmadd_ps(xv, w0, acc[1][u][0]);
-      acc[1][u][1] = _mm256_fmadd_ps(xv, w1, acc[1][u][1]);
-    }
-  }
-  for (; k < K; ++k) {
+  for (auto& panel : out) panel[0] = panel[1] = _mm256_setzero_ps();  // [panel][channels 0-7 | 8-15]
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < K; ++k) {
     const __m256 xv = _mm256_broadcast_ss(x + k);
     __m256 w0, w1;
     widen16(a + k * kPanel, w0, w1);
-    acc[0][0][0] = _mm256_fmadd_ps(xv, w0, acc[0][0][0]);
-    acc[0][0][1] = _mm256_fmadd_ps(xv, w1, acc[0][0][1]);
+    out[0][0] = _mm256_fmadd_ps(xv, w0, out[0][0]);
+    out[0][1] = _mm256_fmadd_ps(xv, w1, out[0][1]);
     widen16(b + k * kPanel, w0, w1);
-    acc[1][0][0] = _mm256_fmadd_ps(xv, w0, acc[1][0][0]);
-    acc[1][0][1] = _mm256_fmadd_ps(xv, w1, acc[1][0][1]);
+    out[1][0] = _mm256_fmadd_ps(xv, w0, out[1][0]);
+    out[1][1] = _mm256_fmadd_ps(xv, w1, out[1][1]);
   }
-#pragma GCC unroll 8
-  for (int p = 0; p < 2; ++p)
-#pragma GCC unroll 8
-    for (int h = 0; h < 2; ++h) out[p][h] = _mm256_add_ps(acc[p][0][h], acc[p][1][h]);
 }
 
 // One activation row (decode at batch 1) is bound by reading the weights. A thread's panels
@@ -203,7 +160,7 @@ void gemv_two_streams(const float* x, const W* wp, int64_t K, int64_t N, int64_t
         store_row(out[1], 1.0f, scale + pb * kPanel, bias + pb * kPanel, y + pb * kPanel, cols(pb));
       },
       [&](int64_t p) {
-        rows<1, 4, W>(x, K, wp + p * K * kPanel, K, scale + p * kPanel, bias + p * kPanel, y + p * kPanel, 0, cols(p));
+        rows<1, W>(x, K, wp + p * K * kPanel, K, scale + p * kPanel, bias + p * kPanel, y + p * kPanel, 0, cols(p));
       });
 }
 
@@ -370,17 +327,17 @@ void panel_rows(const float* x, int64_t ldx, int64_t mr, const W* panel, int64_t
   } else {
     switch (mr) {
       case 6:
-        return rows<6, 1, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+        return rows<6, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
       case 5:
-        return rows<5, 1, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+        return rows<5, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
       case 4:
-        return rows<4, 1, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+        return rows<4, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
       case 3:
-        return rows<3, 2, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+        return rows<3, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
       case 2:
-        return rows<2, 2, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+        return rows<2, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
       default:
-        return rows<1, 4, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
+        return rows<1, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
     }
   }
 #else
