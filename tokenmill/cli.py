@@ -1,4 +1,4 @@
-"""Command line: tokenmill generate | chat | serve | bench throughput."""
+"""Command line: tokenmill generate | chat | serve | bench | models."""
 
 from __future__ import annotations
 
@@ -120,6 +120,10 @@ def main(argv: list[str] | None = None) -> None:
     from tokenmill.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from tokenmill.registry.cli import add_models_parser
+
+    add_models_parser(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -56,7 +56,9 @@ def _served_order(server: RunningServer, key: str) -> list[str]:
     finished: list[str] = []
 
     async def one(client: httpx.AsyncClient, name: str, priority: int) -> None:
-        r = await client.post("/v1/completions", json={**SMALL, "priority": priority})
+        # 24 tokens each: the second finishes many steps after the first, so the responses cannot
+        # overtake each other on the way back (with 2 tokens a fast machine let them race).
+        r = await client.post("/v1/completions", json={**SMALL, "max_tokens": 24, "priority": priority})
         assert r.status_code == 200, r.text
         finished.append(name)
 
