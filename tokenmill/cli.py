@@ -1,4 +1,4 @@
-"""Command line: tokenmill generate | chat | serve | bench | models."""
+"""Command line: tokenmill generate | chat | serve | bench | models | plan."""
 
 from __future__ import annotations
 
@@ -124,6 +124,10 @@ def main(argv: list[str] | None = None) -> None:
     from tokenmill.registry.cli import add_models_parser
 
     add_models_parser(sub)
+
+    from tokenmill.planner.cli import add_plan_parser
+
+    add_plan_parser(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,84 @@
+"""Turn what the user gave (flags, a bench file, a hardware name) into `PlanInputs`.
+
+Precedence: explicit flags win; then a `--from-bench` file (the workload's means and its measured total
+tok/s); then a `--hardware` roofline for the throughput. The hardware profile's $/hour is used whenever a
+profile is named and `--cost-per-hour` is not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenmill.planner.bench_file import load_bench
+from tokenmill.planner.capacity import PlanInputs, require_positive
+from tokenmill.planner.hardware import DEFAULT_BATCH, DEFAULT_PARAMS_B, get_profile, roofline_tok_s
+
+NO_THROUGHPUT = (
+    "no throughput per replica: pass --throughput TOK_S (measured total tokens/s), --from-bench FILE.json "
+    "(a `tokenmill bench throughput --output-json` file) or --hardware NAME (a roofline estimate)."
+)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """The `tokenmill plan` flags, unresolved; None means "not given"."""
+
+    peak_rps: float | None = None
+    input_tokens: float | None = None
+    output_tokens: float | None = None
+    throughput: float | None = None
+    from_bench: str | Path | None = None
+    hardware: str | None = None
+    params_b: float = DEFAULT_PARAMS_B
+    batch: int = DEFAULT_BATCH
+    utilization: float = 0.7
+    redundancy: float = 1.0
+    spare: int = 0
+    cost_per_hour: float | None = None
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+
+
+def resolve(request: PlanRequest) -> PlanInputs:
+    """The inputs of the capacity formula, from flags, a bench file and a hardware profile (module docstring)."""
+    if request.peak_rps is None:
+        raise ValueError("--peak-rps is required: the peak requests per second the fleet must serve.")
+    bench = load_bench(request.from_bench) if request.from_bench is not None else None
+    avg_input = _pick(request.input_tokens, bench.avg_input_tokens if bench else None, "--input-tokens")
+    avg_output = _pick(request.output_tokens, bench.avg_output_tokens if bench else None, "--output-tokens")
+    require_positive("--input-tokens", avg_input)  # before the roofline divides by them
+    require_positive("--output-tokens", avg_output)
+    profile = get_profile(request.hardware) if request.hardware is not None else None
+    if request.throughput is not None:
+        throughput, source = request.throughput, "--throughput"
+    elif bench is not None:
+        throughput, source = bench.total_tok_s, f"measured in {bench.path}"
+    elif profile is not None:
+        throughput = roofline_tok_s(profile, avg_input, avg_output, request.params_b, request.batch)
+        source = f"roofline estimate: {profile.name}, {request.params_b:g}B params, batch {request.batch}"
+    else:
+        raise ValueError(NO_THROUGHPUT)
+    cost = request.cost_per_hour if request.cost_per_hour is not None else (profile.cost_per_hour if profile else None)
+    return PlanInputs(
+        peak_rps=request.peak_rps,
+        avg_input_tokens=avg_input,
+        avg_output_tokens=avg_output,
+        tokens_per_s_per_replica=throughput,
+        throughput_source=source,
+        utilization=request.utilization,
+        redundancy=request.redundancy,
+        spare=request.spare,
+        cost_per_hour=cost,
+        hardware=profile.name if profile else None,
+        ttft_slo_ms=request.ttft_slo_ms,
+        tpot_slo_ms=request.tpot_slo_ms,
+    )
+
+
+def _pick(given: float | None, from_bench: float | None, flag: str) -> float:
+    if given is not None:
+        return given
+    if from_bench is not None:
+        return from_bench
+    raise ValueError(f"{flag} is required (the mean per request), or pass --from-bench FILE.json to read it.")
