@@ -1,4 +1,4 @@
-"""Command line: tokenmill generate | chat | serve | bench | models | plan."""
+"""Command line: tokenmill generate | chat | serve | bench | models | plan | info."""
 
 from __future__ import annotations
 
@@ -128,6 +128,10 @@ def main(argv: list[str] | None = None) -> None:
     from tokenmill.planner.cli import add_plan_parser
 
     add_plan_parser(sub)
+
+    from tokenmill.bench.hardware_info import add_info_parser
+
+    add_info_parser(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -1,6 +1,7 @@
 """`tokenmill bench <subcommand>`: benchmarks from the command line.
 
     tokenmill bench throughput --workload random-cpu --dtype bfloat16 --output-json results.json
+    tokenmill bench throughput --workload random-cpu --cost-per-hour 2.5   # also $ per 1M tokens
     tokenmill bench throughput --workload random-cpu --static-batching --max-num-seqs 16
     tokenmill bench throughput --workload copy-edit --max-num-seqs 1 \
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' --output-json spec.json
@@ -77,7 +78,59 @@ def _add_throughput_parser(subparsers: argparse._SubParsersAction) -> None:
         "--output-json", type=Path, default=None, help="write the command, machine, config and results here"
     )
     parser.add_argument("--progress", action="store_true", help="show a progress bar (adds overhead)")
+    add_cost_arg(parser)
     parser.set_defaults(func=cmd_throughput)
+
+
+def add_cost_arg(parser: argparse.ArgumentParser) -> None:
+    """`--cost-per-hour DOLLARS`, shared by `bench throughput` and `bench serve`."""
+    parser.add_argument(
+        "--cost-per-hour",
+        type=positive_dollars,
+        default=None,
+        metavar="DOLLARS",
+        help="what the machine costs per hour: also report $ per 1M output (and total) tokens",
+    )
+
+
+def positive_dollars(text: str) -> float:
+    """argparse type of --cost-per-hour: a price above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of dollars, got {text!r}") from None
+    if not value > 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"the price must be > 0 dollars, got {text}")
+    return value
+
+
+def cost_per_million_tokens(cost_per_hour: float, tokens_per_s: float) -> float | None:
+    """Dollars per 1M tokens at `tokens_per_s`: cost_per_hour / (3600 * tokens_per_s) * 1e6; None at 0 tok/s."""
+    if tokens_per_s <= 0:
+        return None
+    return cost_per_hour / (3600 * tokens_per_s) * 1e6
+
+
+def cost_report(cost_per_hour: float, output_tok_s: float, total_tok_s: float) -> dict[str, float | None]:
+    """The cost fields a benchmark result carries in --output-json."""
+    return {
+        "cost_per_hour": cost_per_hour,
+        "cost_per_million_output_tokens": cost_per_million_tokens(cost_per_hour, output_tok_s),
+        "cost_per_million_total_tokens": cost_per_million_tokens(cost_per_hour, total_tok_s),
+    }
+
+
+def format_cost(cost: dict[str, float | None]) -> str:
+    """The printed lines of `cost_report`."""
+
+    def dollars(value: float | None) -> str:
+        return "n/a (no tokens)" if value is None else f"${value:.4f}"
+
+    return (
+        f"  cost per 1M output tokens: {dollars(cost['cost_per_million_output_tokens'])}\n"
+        f"  cost per 1M total tokens:  {dollars(cost['cost_per_million_total_tokens'])}"
+        f" (at ${cost['cost_per_hour']:g}/hour)"
+    )
 
 
 def cmd_throughput(args: argparse.Namespace) -> None:
@@ -102,6 +155,11 @@ def cmd_throughput(args: argparse.Namespace) -> None:
     spec = describe_speculative(llm.config.speculative)
     print(f"\n{args.workload}: {mode}, {engine_config(llm)['dtype']}, {llm.config.model.model}, speculative {spec}")
     print(format_result(result))
+    cost = (
+        None if args.cost_per_hour is None else cost_report(args.cost_per_hour, result.output_tok_s, result.total_tok_s)
+    )
+    if cost is not None:
+        print(format_cost(cost))
     if llm.engine.runner.cuda_graph_capture_s is not None:  # before the timed window, not in it
         print(f"  CUDA graph capture took {llm.engine.runner.cuda_graph_capture_s:.2f} s at startup")
     if args.output_json:
@@ -117,7 +175,7 @@ def cmd_throughput(args: argparse.Namespace) -> None:
                 "max_prompt_len": args.max_prompt_len,
                 "max_output_len": args.max_output_len,
             },
-            "results": result.to_dict(),
+            "results": result.to_dict() | (cost or {}),
         }
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps(report, indent=2) + "\n")
@@ -155,9 +213,10 @@ def machine_info() -> dict[str, Any]:
     import torch
 
     import tokenmill
+    from tokenmill.bench.hardware_info import cpu_model_name
 
     info: dict[str, Any] = {
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model_name(),
         "cpu_count": os.cpu_count(),
         "cpus_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),
@@ -170,16 +229,6 @@ def machine_info() -> dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda
     return info
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def engine_config(llm: LLM) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from tokenmill.bench.cli import add_cost_arg, cost_report, format_cost
 from tokenmill.bench.datasets import TOKEN_WORKLOADS, BenchRequest, make_workload
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
@@ -272,6 +273,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser.add_argument("--sweep", default=None, help="comma-separated request rates (e.g. 0.5,1,2,inf)")
     parser.add_argument("--plot", type=Path, default=None, help="with --sweep: write the PNG here")
     parser.add_argument("--output-json", type=Path, default=None, help="write command, settings and results")
+    add_cost_arg(parser)
     parser.set_defaults(func=cmd_serve)
     return parser
 
@@ -319,6 +321,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         result = summarize(raw, duration, rate, args.max_concurrency, slos)
         print(f"\n{args.workload} against {args.base_url} ({model}), {len(requests)} requests")
         print(format_result(result), flush=True)
+        if args.cost_per_hour is not None:
+            print(format_cost(cost_report(args.cost_per_hour, result.output_throughput, result.total_token_throughput)))
         results.append(result)
     if args.sweep:
         plot_sweep(results, args.plot or Path("bench_serve_sweep.png"))
@@ -358,11 +362,17 @@ def write_report(
         },
         "goodput_slos_ms": slos,
         "machine": _machine(),
-        "results": [r.to_dict() for r in results],
+        "results": [_with_cost(r.to_dict(), r, args.cost_per_hour) for r in results],
     }
     args.output_json.parent.mkdir(parents=True, exist_ok=True)
     args.output_json.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.output_json}")
+
+
+def _with_cost(data: dict[str, Any], result: ServeResult, cost_per_hour: float | None) -> dict[str, Any]:
+    if cost_per_hour is None:
+        return data
+    return data | cost_report(cost_per_hour, result.output_throughput, result.total_token_throughput)
 
 
 def _machine() -> dict[str, Any]:
