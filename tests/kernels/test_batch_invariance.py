@@ -5,21 +5,18 @@ The AVX2 build (TOKENMILL_CPU_ISA=avx2) runs this file again in a subprocess (th
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from tests.kernels.avx2_rerun import avx2_rerun_test
 from tests.tiny_models import make_tiny_model, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.ops import build, packed_gemm
 from tokenmill.quant import Bf16Linear, Int8Linear
 
-REPO = Path(__file__).resolve().parents[2]
 needs_gemm = pytest.mark.skipif(not packed_gemm.available(), reason="the packed GEMM could not be built here")
 # AVX2 machines prefill through SDPA, not the decode kernel: only the GEMM is compared there.
 needs_avx512 = pytest.mark.skipif(
@@ -65,13 +62,4 @@ def test_decode_and_prefill_give_the_same_logprobs_bit_for_bit(tmp_path: Path, q
         assert entry is not None and entry[token].logprob == decoded.logprobs[j][token].logprob
 
 
-@pytest.mark.timeout(1800)  # builds the kernels for AVX2 on first use
-@pytest.mark.skipif(not build.cpu_has_avx2(), reason="this CPU cannot run code built for AVX2 (x86-64-v3)")
-@pytest.mark.skipif(build.cpu_isa() == "avx2", reason="this process is the AVX2 build already")
-def test_the_avx2_build_passes_these_tests() -> None:
-    env = {**os.environ, build.ISA_ENV: "avx2"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__, "-k", "not avx2_build"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1700)
-    assert proc.returncode == 0, f"under {build.ISA_ENV}=avx2:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    assert " passed" in proc.stdout
+test_the_avx2_build_passes_these_tests = avx2_rerun_test(__file__)

@@ -6,15 +6,13 @@ file again in a subprocess (the last test)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.kernels.avx2_rerun import avx2_rerun_test
 from tests.tiny_models import make_tiny_model
 from tokenmill.attention.cpu import SHORT_QUERY_LEN, SDPABackend
 from tokenmill.attention.metadata import AttentionMetadata
@@ -28,7 +26,6 @@ from tokenmill.ops import build
 from tokenmill.worker.model_loader import load_model
 
 BLOCK, NUM_BLOCKS = 16, 64
-REPO = Path(__file__).resolve().parents[2]
 
 # A verification step: every query length from 1 to 9, in no order, two decode rows among them,
 # each after a context of several blocks (one of them ends a block: the query starts a new one).
@@ -209,13 +206,4 @@ def test_short_queries_take_one_paged_decode_call_and_match_the_reference(
     torch.testing.assert_close(got[short:], expected[short:], rtol=0, atol=tol)
 
 
-@pytest.mark.timeout(1800)  # builds the decode stack for AVX2 on first use
-@pytest.mark.skipif(not build.cpu_has_avx2(), reason="this CPU cannot run code built for AVX2 (x86-64-v3)")
-@pytest.mark.skipif(build.cpu_isa() == "avx2", reason="this process is the AVX2 build already")
-def test_the_avx2_build_passes_these_tests() -> None:
-    env = {**os.environ, build.ISA_ENV: "avx2"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__, "-k", "not avx2_build"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1700)
-    assert proc.returncode == 0, f"under {build.ISA_ENV}=avx2:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    assert " passed" in proc.stdout
+test_the_avx2_build_passes_these_tests = avx2_rerun_test(__file__)

@@ -64,8 +64,7 @@ class ModelRunner:
         if config.cache.kv_cache_dtype == "int8":
             self._check_int8_cache()
         # Decode steps run every layer in one C++ call where the model fits it (models/fused_decode.py).
-        self.fused_decode: FusedDecode | None = None
-        self.fused_decode_off_reason = self._enable_fused_decode(module)
+        self.fused_decode, self.fused_decode_off_reason = self._fused_decode_for(module)
         self.sampler = Sampler()
         # Matchers of the requests with structured_outputs, kept and dropped with their states.
         self.structured = StructuredOutputManager(grammars, config.scheduler.max_num_seqs, self.device)
@@ -90,9 +89,7 @@ class ModelRunner:
             return NgramLookup(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         module, self.draft_config = load_draft_model(self.config, self.backend)
         self.draft = cast(CausalLM, module)
-        fused = None
-        if not self.config.enforce_eager and isinstance(module, LlamaForCausalLM) and self.device.type == "cpu":
-            fused = FusedDecode(module) if unsupported_reason(module) is None else None
+        fused, _ = self._fused_decode_for(module)
         return DraftModelProposer(cast(DraftLM, module), fused, self.block_size, self.device)
 
     def kv_cache_bytes_per_block(self) -> int:
@@ -111,17 +108,15 @@ class ModelRunner:
                 f"{attn.head_dim}, backend {self.backend.name}); use 'auto'."
             )
 
-    def _enable_fused_decode(self, module: nn.Module) -> str | None:
+    def _fused_decode_for(self, module: nn.Module) -> tuple[FusedDecode | None, str | None]:
         """Decode steps run every layer in one C++ call (models/fused_decode.py) unless enforce_eager
-        or the model does not fit it; returns why not, or None."""
+        or the model (the target or a draft) does not fit it: (the stack, None) or (None, why not)."""
         if self.config.enforce_eager:
-            return "enforce_eager"
+            return None, "enforce_eager"
         if not isinstance(module, LlamaForCausalLM):
-            return f"{type(module).__name__} has no fused decode stack"
+            return None, f"{type(module).__name__} has no fused decode stack"
         reason = unsupported_reason(module) if self.device.type == "cpu" else "not on CPU"
-        if reason is None:
-            self.fused_decode = FusedDecode(module)
-        return reason
+        return (FusedDecode(module), None) if reason is None else (None, reason)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One [2, num_blocks, block_size, Hkv, D] tensor per layer (D + 4 columns in int8: the scales),
