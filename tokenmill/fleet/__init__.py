@@ -1,0 +1,1 @@
+"""Replicas of the OpenAI server on Ray Serve, behind an LLM-aware request router, with autoscaling."""
