@@ -148,3 +148,20 @@ def test_compare_runs_tokenmill_through_its_driver(
     assert tm.status == "ok", tm.error
     assert len(tm.runs) == 2 and all(r["output_tokens"] == r["generated_tokens"] == 2 * 4 for r in tm.runs)
     assert tm.ratio_to_tokenmill == 1.0
+
+
+def test_calibrate_writes_a_profile_the_planner_reads(llama_model: Path, tmp_path: Path) -> None:
+    from tokenmill.bench.calibrate import calibrate
+    from tokenmill.planner.step_model import load_profile
+
+    requests = make_workload("random-cpu", 512, num_requests=6, max_prompt_len=96, max_output_len=12)
+    llm = _tiny_llm(llama_model, max_num_seqs=16)
+    data = calibrate(llm, requests)
+    assert [p["rows"] for p in data["decode_points"]] == [1, 4, 16]  # the batches max_num_seqs allows
+    assert all(p["step_s"] > 0 for p in data["decode_points"])
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))
+    profile = load_profile(path)
+    assert profile.costs.max_num_seqs == 16
+    assert profile.costs.prefill_per_token_s > 0
+    assert profile.lengths == [(len(r.prompt_token_ids), r.output_len) for r in requests]

@@ -9,6 +9,7 @@
     tokenmill bench compare --workload random-cpu --peers vllm,llamacpp,ct2,hf --repeat 3 --plot compare.png
     tokenmill bench serve --base-url http://127.0.0.1:8000 --workload random-cpu --request-rate inf
     tokenmill bench quality --quantization int8
+    tokenmill bench calibrate --workload random-cpu --output-json profile.json   # for tokenmill plan --profile
 
 Each subcommand registers itself in `add_bench_parser`; `bench` has its own subparsers so more
 (serve, compare) can be added beside `throughput`."""
@@ -34,7 +35,9 @@ if TYPE_CHECKING:
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `bench` (with its own subcommands) to the top-level `tokenmill` subparsers."""
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, compare, setup-peer, quality")
+    bench = subparsers.add_parser(
+        "bench", help="benchmarks: throughput, serve, compare, setup-peer, quality, calibrate"
+    )
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     _add_throughput_parser(bench_sub)
     from tokenmill.bench.quality import add_quality_parser
@@ -47,6 +50,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     from tokenmill.bench.serve import add_serve_parser
 
     add_serve_parser(bench_sub)
+    from tokenmill.bench.calibrate import add_calibrate_parser
+
+    add_calibrate_parser(bench_sub)
     return bench
 
 

@@ -33,7 +33,7 @@ class PlanInputs:
     spare: int = 0  # replicas added after rounding (1 for N+1)
     cost_per_hour: float | None = None  # $ per replica-hour; None: costs are unknown
     hardware: str | None = None
-    ttft_slo_ms: float | None = None  # echoed only: the latency model comes later
+    ttft_slo_ms: float | None = None  # p99 SLOs: with a --profile they bound the throughput per replica
     tpot_slo_ms: float | None = None
 
     def __post_init__(self) -> None:

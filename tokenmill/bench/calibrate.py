@@ -1,0 +1,114 @@
+"""`tokenmill bench calibrate`: one short run that measures what an engine step costs, for `tokenmill plan`.
+
+    tokenmill bench calibrate --workload random-cpu --output-json profile.json
+    tokenmill plan --peak-rps 5 --profile profile.json --ttft-slo-ms 2000 --tpot-slo-ms 100
+
+It times decode-only steps at a few batch sizes (contexts as long as the workload's average) and prompt-only
+steps, fits `seconds = base + per_row x rows + per_prefill_token x tokens` (tokenmill/planner/step_model.py)
+and writes it with the engine's batch limits and the workload's (prompt, output) lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tokenmill.bench.datasets import MAX_TOKEN_ID, WORKLOADS, BenchRequest, make_workload
+from tokenmill.bench.throughput import warm_up
+from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.engine.llm import LLM
+
+DECODE_BATCHES = (1, 4, 16, 64)
+DECODE_STEPS = 24  # tokens per request in a decode point: enough steps to average, few enough to stay short
+PREFILL_ROUNDS = 4  # prompt-only steps of a full token budget each
+
+
+def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
+    from tokenmill.engine.engine_args import add_engine_args
+
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="measure an engine step's cost (decode rows, prompt tokens) for `tokenmill plan --profile`",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_engine_args(parser)
+    parser.add_argument("--workload", default="random-cpu", choices=[w for w in WORKLOADS if w != "copy-edit"])
+    parser.add_argument("--num-prompts", type=int, default=None, help="override the workload's request count")
+    parser.add_argument("--output-json", type=Path, required=True, help="where to write the profile")
+    parser.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    from tokenmill import LLM
+    from tokenmill.engine.engine_args import engine_kwargs
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    requests = make_workload(args.workload, llm.config.model.vocab_size, seed=args.seed, num_requests=args.num_prompts)
+    profile = calibrate(llm, requests)
+    profile |= {"command": shlex.join(sys.argv), "workload": args.workload, "model": llm.config.model.model}
+    args.output_json.parent.mkdir(parents=True, exist_ok=True)
+    args.output_json.write_text(json.dumps(profile, indent=2) + "\n")
+    costs = profile["step_costs"]
+    print(
+        f"step = {costs['decode_base_s'] * 1e3:.2f} ms + {costs['decode_per_row_s'] * 1e3:.3f} ms x decode rows"
+        f" + {costs['prefill_per_token_s'] * 1e6:.1f} us x prompt tokens  ->  {args.output_json}"
+    )
+
+
+def calibrate(llm: LLM, requests: list[BenchRequest]) -> dict[str, Any]:
+    """The profile `tokenmill plan --profile` reads (see module docstring)."""
+    warm_up(llm)
+    sched = llm.config.scheduler
+    prompt_lens = [len(r.prompt_token_ids) for r in requests]
+    output_lens = [r.output_len for r in requests]
+    temperature = requests[0].temperature
+    # Decode points run at the workload's average context: its mean prompt plus half its mean output.
+    context = int(np.mean(prompt_lens) + np.mean(output_lens) / 2) - DECODE_STEPS // 2
+    context = max(1, min(context, llm.config.model.max_model_len - DECODE_STEPS))
+    rng = np.random.default_rng(1234)
+    high = min(MAX_TOKEN_ID, llm.config.model.vocab_size)
+    points: list[tuple[int, float]] = []  # (rows, seconds per decode-only step)
+    for batch in [b for b in DECODE_BATCHES if b <= sched.max_num_seqs]:
+        stats = llm.engine.decode_stats
+        steps, seconds = stats.steps, stats.seconds
+        prompts = [{"prompt_token_ids": rng.integers(0, high, context).tolist()} for _ in range(batch)]
+        params = SamplingParams(max_tokens=DECODE_STEPS, temperature=temperature, ignore_eos=True)
+        llm.generate(prompts, params, use_tqdm=False)
+        points.append((batch, (stats.seconds - seconds) / max(1, stats.steps - steps)))
+    rows = np.array([p[0] for p in points], dtype=np.float64)
+    secs = np.array([p[1] for p in points], dtype=np.float64)
+    per_row, base = np.polyfit(rows, secs, 1) if len(points) > 1 else (0.0, secs[0])
+    per_row = max(0.0, float(per_row))
+    base = float(base) if base > 0 else float(secs.min())
+    # Prompt-only steps: full token budgets of the workload's mean prompt length, one output token each.
+    prompt_len = max(1, min(int(np.mean(prompt_lens)), sched.max_num_batched_tokens))
+    count = PREFILL_ROUNDS * max(1, sched.max_num_batched_tokens // prompt_len)
+    prompts = [{"prompt_token_ids": rng.integers(0, high, prompt_len).tolist()} for _ in range(count)]
+    steps_before = llm.engine.scheduler.stats.num_steps
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=temperature), use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_steps = max(1, llm.engine.scheduler.stats.num_steps - steps_before)
+    per_token = max(elapsed - base * num_steps, elapsed * 0.5) / (prompt_len * count)
+    return {
+        "step_costs": {
+            "decode_base_s": base,
+            "decode_per_row_s": per_row,
+            "prefill_per_token_s": per_token,
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+        },
+        "decode_points": [{"rows": r, "step_s": s} for r, s in points],
+        "prefill": {"prompt_len": prompt_len, "requests": count, "steps": num_steps, "seconds": elapsed},
+        "lengths": [[p, o] for p, o in zip(prompt_lens, output_lens)],
+    }
