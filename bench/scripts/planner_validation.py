@@ -1,0 +1,151 @@
+"""Check `tokenmill plan`'s latency model against `tokenmill bench serve` on this machine (issue 29).
+
+Usage: .venv/bin/python bench/scripts/planner_validation.py [--runs 3] [--num-prompts 64] [--port 8031]
+           [--output bench/results/planner_validation.json] [--serve-args "--max-num-seqs 64"]
+
+1. Calibrate once: `tokenmill bench calibrate` on the embedded model (decode and prompt step costs).
+2. Predict, from the calibration alone, the saturation request rate of `random-cpu` and, at 30%, 60% and 90% of
+   it, the output throughput, TTFT p99 and TPOT p99 of a run of --num-prompts Poisson arrivals (the median over
+   seeds of the simulated run, since one run's arrivals vary).
+3. Start `tokenmill serve` and measure the same with `tokenmill bench serve` --runs times per load; compare the
+   medians: prediction error per figure (targets: throughput within 15%, TTFT/TPOT p99 within 30%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tokenmill.planner.latency import saturation_rate
+from tokenmill.planner.simulate import simulate
+from tokenmill.planner.step_model import load_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+_VENV_TOKENMILL = Path(sys.executable).with_name("tokenmill")
+TOKENMILL = str(_VENV_TOKENMILL) if _VENV_TOKENMILL.exists() else shutil.which("tokenmill") or "tokenmill"
+LOADS = (0.3, 0.6, 0.9)
+LATENCY_LOADS = (0.3, 0.6)
+SIM_SEEDS = 9
+WORKLOAD = "random-cpu"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--port", type=int, default=8031)
+    parser.add_argument("--serve-args", default="")
+    parser.add_argument("--output", type=Path, default=ROOT / "bench/results/planner_validation.json")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="planner-validation-"))
+    profile_path = work / "profile.json"
+    engine = shlex.split(args.serve_args)
+    start = time.perf_counter()
+    subprocess.run(
+        [TOKENMILL, "bench", "calibrate", "--workload", WORKLOAD, "--output-json", str(profile_path), *engine],
+        check=True,
+    )
+    calibrate_s = time.perf_counter() - start
+    profile = load_profile(profile_path)
+    lengths = profile.lengths[: args.num_prompts]
+    _, sat_rate = saturation_rate(profile.costs, lengths * 8)  # a long run: the rate the engine sustains
+    predicted = {load: predict(profile_path, lengths, load * sat_rate) for load in LOADS}
+    measured: dict[float, list[dict[str, float]]] = {load: [] for load in LOADS}
+    with Server(args.port, engine, work / "serve.log") as server:
+        for _ in range(args.runs):
+            for load in LOADS:
+                measured[load].append(server.bench(load * sat_rate, args.num_prompts, work / f"r{load}.json"))
+    rows = []
+    for load in LOADS:
+        med = {k: statistics.median(m[k] for m in measured[load]) for k in measured[load][0]}
+        row: dict[str, Any] = {"load": load, "request_rate": load * sat_rate, "predicted": predicted[load]}
+        row["measured_median"] = med
+        row["measured_runs"] = measured[load]
+        keys = ["output_tok_s"] + (["ttft_p99_ms", "tpot_p99_ms"] if load in LATENCY_LOADS else [])
+        row["error"] = {k: predicted[load][k] / med[k] - 1 for k in keys}
+        rows.append(row)
+        print(
+            f"{load:.0%} of saturation ({load * sat_rate:.2f} req/s): "
+            + ", ".join(
+                f"{k} predicted {predicted[load][k]:.1f} measured {med[k]:.1f} ({row['error'][k]:+.0%})" for k in keys
+            )
+        )
+    report = {
+        "command": shlex.join(sys.argv),
+        "workload": WORKLOAD,
+        "num_prompts": args.num_prompts,
+        "runs": args.runs,
+        "calibrate_s": calibrate_s,
+        "profile": json.loads(profile_path.read_text()) | {"lengths": "omitted"},
+        "saturation_rate_predicted": sat_rate,
+        "rows": rows,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.output}")
+
+
+def predict(profile_path: Path, lengths: list[tuple[int, int]], rate: float) -> dict[str, float]:
+    """The median over seeds of the simulated run of `lengths` at `rate`."""
+    costs = load_profile(profile_path).costs
+    runs = [simulate(costs, lengths, rate, seed=s) for s in range(SIM_SEEDS)]
+    return {
+        "output_tok_s": statistics.median(r.output_tok_s for r in runs),
+        "ttft_p99_ms": statistics.median(r.ttft_p99_ms for r in runs),
+        "tpot_p99_ms": statistics.median(r.tpot_p99_ms for r in runs),
+    }
+
+
+class Server:
+    """`tokenmill serve` on the embedded model for the duration of a `with` block."""
+
+    def __init__(self, port: int, engine_args: list[str], log: Path) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.cmd = [TOKENMILL, "serve", "--port", str(port), *engine_args]
+        self.log_path = log
+
+    def __enter__(self) -> Server:
+        self.log = self.log_path.open("w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited; see {self.log_path}")
+            time.sleep(1)
+        raise RuntimeError("the server did not get ready in 10 minutes")
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        self.log.close()
+
+    def bench(self, rate: float, num_prompts: int, out: Path) -> dict[str, float]:
+        cmd = [TOKENMILL, "bench", "serve", "--base-url", self.url, "--workload", WORKLOAD]
+        cmd += ["--num-prompts", str(num_prompts), "--request-rate", f"{rate:.4f}", "--output-json", str(out)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        result = json.loads(out.read_text())["results"][0]
+        return {
+            "output_tok_s": result["output_throughput"],
+            "ttft_p99_ms": result["latency_ms"]["ttft"]["p99"],
+            "tpot_p99_ms": result["latency_ms"]["tpot"]["p99"],
+        }
+
+
+if __name__ == "__main__":
+    main()
