@@ -113,9 +113,10 @@ def main(argv: list[str] | None = None) -> None:
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
+    from tokenmill.fleet.cli import add_fleet_args
     from tokenmill.server.cli import add_serve_parser
 
-    add_serve_parser(sub)
+    add_fleet_args(add_serve_parser(sub))
 
     from tokenmill.bench.cli import add_bench_parser
 

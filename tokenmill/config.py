@@ -145,6 +145,50 @@ class SpeculativeConfig:
         return cls(**values)
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: each layer's weights split across `tensor_parallel_size` ranks, one process (or
+    Ray actor) per rank, started by `distributed_executor_backend` ("mp": local processes, "ray")."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+
+    def __post_init__(self) -> None:
+        n = self.tensor_parallel_size
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}.")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"unknown distributed_executor_backend {self.distributed_executor_backend!r}; "
+                f"use one of {DISTRIBUTED_EXECUTOR_BACKENDS}."
+            )
+
+    def check_model(self, hf_config: PretrainedConfig) -> None:
+        """Raise a ValueError unless the model's heads split evenly over the ranks."""
+        n = self.tensor_parallel_size
+        num_heads = int(hf_config.num_attention_heads)
+        num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
+        if num_heads % n:
+            raise ValueError(
+                f"tensor_parallel_size {n} must divide the model's {num_heads} attention heads; "
+                f"use one of {[d for d in range(1, num_heads + 1) if num_heads % d == 0]}."
+            )
+        if n <= num_kv_heads and num_kv_heads % n:
+            raise ValueError(f"tensor_parallel_size {n} must divide the model's {num_kv_heads} KV heads.")
+        if n > num_kv_heads and n % num_kv_heads:
+            raise ValueError(
+                f"tensor_parallel_size {n} exceeds the model's {num_kv_heads} KV heads, so each is copied "
+                f"to several ranks: it must then be a multiple of {num_kv_heads}."
+            )
+        if int(hf_config.intermediate_size) % n:
+            raise ValueError(
+                f"tensor_parallel_size {n} must divide the MLP's intermediate size {hf_config.intermediate_size}."
+            )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -154,6 +198,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "torch_ref" | "cpu"
     enforce_eager: bool = False  # True: no CUDA graphs, no fused CPU decode stack
     speculative: SpeculativeConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -187,6 +232,9 @@ class EngineArgs:
     generation_config: str = "auto"
     # Speculative decoding in vLLM's dict shape (SpeculativeConfig's keys), or a SpeculativeConfig; None: off.
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None
+    # Tensor parallelism: ranks that split every layer, and what starts them ("mp" processes or "ray" actors).
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
 
 
 def resolve_kv_cache_dtype(

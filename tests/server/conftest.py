@@ -25,6 +25,7 @@ from tokenmill.engine.core_client import ThreadCoreClient
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.server.config import ServerConfig, ServerState
 from tokenmill.server.launcher import GracefulServer, make_server
+from tokenmill.server.models.setup import create_state
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: tiny config's bos 1, eos 2
 CHATML = (
@@ -161,8 +162,9 @@ def run_server(
     on a thread (tests can reach into it) unless `engine_process`, as under `tokenmill serve`."""
     config = config or ServerConfig()
     config = ServerConfig(**{**config.__dict__, "port": free_port(), "served_model_name": MODEL_NAME})
-    engine = AsyncEngine(engine_args(model, **engine_overrides), engine_process=engine_process)
-    state = ServerState.create(config, engine)
+    args = engine_args(model, **engine_overrides)
+    engine = AsyncEngine(args, engine_process=engine_process)
+    state = create_state(config, engine, args)  # with config.models: the model pool too
     server = make_server(state, log_level="warning")
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -40,10 +40,16 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, Block] = {}
+        self._num_cached_free = 0  # free blocks still holding a prefix (kept up to date: read every step)
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix (reusable until evicted)."""
+        return self._num_cached_free
 
     @property
     def usage(self) -> float:
@@ -59,6 +65,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self._free.popitem(last=False)
+            self._num_cached_free -= block.block_hash is not None
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -69,6 +76,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
+                self._num_cached_free -= block.block_hash is not None
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: list[Block]) -> None:
@@ -77,6 +85,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
+                self._num_cached_free += block.block_hash is not None
 
     def cache_block(self, block: Block, block_hash: BlockHash) -> None:
         if not self.enable_caching or block.block_hash is not None:
@@ -95,6 +104,7 @@ class BlockPool:
         for block in self.blocks:
             if block.ref_cnt == 0:
                 self._evict(block)
+        self._num_cached_free = 0
 
     def check_integrity(self) -> None:
         """Invariants for tests: free blocks have ref 0 and every other block has ref > 0."""
@@ -105,3 +115,6 @@ class BlockPool:
         for block_hash, block in self._cached.items():
             if block.block_hash != block_hash:
                 raise AssertionError(f"cache index points at block {block.block_id} with another hash")
+        cached_free = sum(b.block_hash is not None for b in self._free.values())
+        if cached_free != self._num_cached_free:
+            raise AssertionError(f"{cached_free} free blocks hold a prefix, counted {self._num_cached_free}")

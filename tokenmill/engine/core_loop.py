@@ -53,6 +53,7 @@ class CoreLoop:
             while True:
                 stop, applied, rejected = self._apply_commands(wait=not core.has_unfinished())
                 if stop:
+                    core.shutdown()  # the other tensor-parallel ranks exit with it
                     self.events.publish(EngineDead("the engine was shut down.", False))
                     return
                 if not core.has_unfinished():
@@ -64,6 +65,8 @@ class CoreLoop:
                 outputs = rejected + core.step()
                 num_step_tokens = core.scheduler.stats.num_scheduled_tokens - tokens_before
                 self.events.publish(EngineStep(outputs, self._snapshot(num_step_tokens)))
+                if core.dead_reason is not None:  # a tensor-parallel rank died: restart now, not at the next step
+                    raise EngineDeadError(core.dead_reason)
                 failed_in_a_row = failed_in_a_row + 1 if core.num_failed_steps > failed_before else 0
                 if failed_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
                     raise EngineDeadError(f"{failed_in_a_row} model steps in a row failed (see the server log).")
@@ -71,6 +74,7 @@ class CoreLoop:
             if not isinstance(exc, EngineDeadError):
                 logger.exception("the engine loop failed")
             reason = str(exc) if isinstance(exc, EngineDeadError) else "the engine loop failed (see the server log)."
+            core.shutdown()
             self.events.publish(EngineDead(reason, True))
 
     def _apply_commands(self, wait: bool) -> tuple[bool, bool, list[EngineCoreOutput]]:
@@ -118,4 +122,5 @@ class CoreLoop:
             spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_pos=tuple(spec.accepted_per_pos),
+            num_cached_free_blocks=kv.pool.num_cached_free_blocks,
         )

@@ -15,6 +15,7 @@ from tokenmill.config import (
     EngineArgs,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     resolve_kv_cache_dtype,
@@ -67,6 +68,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
         max_model_len=max_model_len,
         policy=args.scheduling_policy,
     )
+    speculative = resolve_speculative(args.speculative_config)
     config = EngineConfig(
         model,
         cache,
@@ -74,7 +76,8 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
         args.device,
         args.attention_backend,
         enforce_eager=args.enforce_eager,
-        speculative=resolve_speculative(args.speculative_config),
+        speculative=speculative,
+        parallel=resolve_parallel(args, hf_config, speculative),
     )
     logger.info("%s", describe_sampling_defaults(model.generation_config, model.sampling_defaults))
     return config, source
@@ -91,6 +94,21 @@ def resolve_speculative(spec: dict[str, Any] | SpeculativeConfig | None) -> Spec
         "speculative_config must be a dict such as "
         f'{{"method": "ngram", "num_speculative_tokens": 4}}, a SpeculativeConfig or None; got {type(spec).__name__}.'
     )
+
+
+def resolve_parallel(args: EngineArgs, hf_config: Any, speculative: SpeculativeConfig | None) -> ParallelConfig:
+    """The checked ParallelConfig: the heads split evenly, and nothing asked that tensor parallelism lacks."""
+    parallel = ParallelConfig(args.tensor_parallel_size, args.distributed_executor_backend)
+    if parallel.tensor_parallel_size > 1:
+        parallel.check_model(hf_config)
+        if speculative is not None and speculative.method == "draft_model":
+            raise ValueError(
+                "speculative decoding with a draft model is not supported with tensor_parallel_size > 1; "
+                'use {"method": "ngram"} or tensor_parallel_size 1.'
+            )
+        if args.device not in ("cpu", "cuda"):
+            raise ValueError(f"tensor parallelism runs on cpu (gloo) or cuda (NCCL), not {args.device!r}.")
+    return parallel
 
 
 def describe_speculative(spec: SpeculativeConfig | None) -> str:
@@ -178,6 +196,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
         "(keys: method ngram|draft_model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, "
         "model, disable_by_batch_size); default: off",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="split every layer over N ranks, one process each (gloo on CPU: each rank gets its own cores)",
+    )
+    parser.add_argument(
+        "--distributed-executor-backend",
+        default=d.distributed_executor_backend,
+        choices=["mp", "ray"],
+        help="what starts the tensor-parallel ranks: mp (local processes) or ray (a placement group)",
     )
 
 

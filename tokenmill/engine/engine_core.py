@@ -15,17 +15,17 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.process_tuning import freeze_startup_heap, keep_freed_memory
+from tokenmill.executor import Executor, ExecutorDeadError, make_executor
 from tokenmill.loader.hf import load_tokenizer
 from tokenmill.loader.model_source import ModelSource
 from tokenmill.outputs import EngineCoreOutput
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.llguidance_backend import LLGuidanceBackend
-from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
-def num_kv_blocks(config: EngineConfig, runner: ModelRunner) -> int:
+def num_kv_blocks(config: EngineConfig, runner: Executor) -> int:
     """An explicit count, else what the memory budget holds (never more than every sequence could use
     at full length: beyond that, blocks only serve as prefix cache, which the budget still bounds).
     The budget: kv_cache_memory_gb on CPU; on CUDA, what profiling the largest step leaves."""
@@ -58,7 +58,7 @@ def profiled_num_kv_blocks(total_bytes: int, peak_bytes: int, utilization: float
     return budget // per_block_bytes
 
 
-def profile_peak_memory(runner: ModelRunner) -> tuple[int, int]:
+def profile_peak_memory(runner: Executor) -> tuple[int, int]:
     """(the device's total bytes, the peak bytes in use around `runner.profile_run()`): PyTorch's peak
     allocation plus the device memory in use outside PyTorch's allocator (the CUDA context, libraries,
     other processes). CUDA graphs, captured later, live in what `gpu_memory_utilization` leaves over."""
@@ -105,10 +105,17 @@ class EngineCore:
         """`grammars`: a compiler to share with the front end in this process (LLM does); else its own."""
         self.config = config
         self.grammars = grammars if grammars is not None else grammar_compiler(config, source)
-        self.runner = ModelRunner(config, source.folder, source.eos_token_ids, self.grammars)
-        self.num_blocks = num_kv_blocks(config, self.runner)
-        self.runner.allocate_kv_cache(self.num_blocks)
-        self.runner.capture_cuda_graphs()  # CUDA only; after the cache, which the graphs read in place
+        # One model runner per tensor-parallel rank; `runner` is rank 0's, in this process.
+        self.executor = make_executor(config, source.folder, source.eos_token_ids, self.grammars)
+        self.runner = self.executor.driver
+        try:
+            self.num_blocks = num_kv_blocks(config, self.executor)  # rank 0 decides, every rank allocates
+            self.executor.allocate_kv_cache(self.num_blocks)
+            self.executor.capture_cuda_graphs()  # CUDA only; after the cache, which the graphs read in place
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.dead_reason: str | None = None  # set when a rank died: every later step raises
         self.kv_cache = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.speculative)
         self.num_idle_steps = 0  # consecutive steps that scheduled nothing while requests waited
@@ -141,7 +148,13 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (a no-op at tensor_parallel_size 1)."""
+        self.executor.shutdown()
+
     def step(self) -> list[EngineCoreOutput]:
+        if self.dead_reason is not None:
+            raise ExecutorDeadError(self.dead_reason)
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -153,7 +166,12 @@ class EngineCore:
         else:
             self.num_idle_steps = 0
         try:
-            runner_out = self.runner.execute(sched)
+            runner_out = self.executor.execute(sched)
+        except ExecutorDeadError as exc:  # the ranks cannot go on together: end every request and the engine
+            logger.error("tensor-parallel engine stopped: %s", exc)
+            self.dead_reason = f"engine error: {exc}"
+            self.executor.shutdown()
+            return self._fail(list(self.scheduler.requests), self.dead_reason)
         except Exception as exc:  # a failed forward ends the step's requests, never the engine
             self.num_failed_steps += 1
             logger.exception("model step failed; ending the %d requests in it", len(sched.num_scheduled_tokens))

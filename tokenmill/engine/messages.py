@@ -62,6 +62,7 @@ class EngineSnapshot:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    num_cached_free_blocks: int = 0  # free blocks that still hold a cached prefix
 
     def __post_init__(self) -> None:
         # The pipe (msgpack) hands back a list; keep the frozen snapshot's tuple.

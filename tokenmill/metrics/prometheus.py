@@ -13,6 +13,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenmill.engine.async_engine import EngineSnapshot, RequestStream
+from tokenmill.metrics.operations import OperationsMetrics
 from tokenmill.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,19 @@ _REQUEST_BUCKETS = (
     960.0,
 )
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+FLEET_REPLICA_STATES = ("current", "target", "min", "max")
+
+
+def fleet_replicas_gauge(registry: CollectorRegistry) -> Gauge:
+    """tokenmill:fleet_replicas{model_name, state}: replicas serving the model, by FLEET_REPLICA_STATES."""
+    return Gauge(
+        "tokenmill:fleet_replicas",
+        "Replicas serving this model: current (running), target (the autoscaler's), min and max.",
+        ["model_name", "state"],
+        registry=registry,
+    )
 
 
 class ServerMetrics:
@@ -130,6 +144,11 @@ class ServerMetrics:
         self.engine_restarts = counter(
             "engine_restarts", "New engines started after one died (killed, or model steps failing in a row)."
         ).labels(m)
+        # One replica here; on Ray Serve the fleet's ingress exports the real counts (tokenmill.fleet).
+        self.fleet_replicas = fleet_replicas_gauge(self.registry)
+        for state in FLEET_REPLICA_STATES:
+            self.fleet_replicas.labels(m, state).set(1)
+        self.ops = OperationsMetrics(self.registry, model_name)
         self.model_name = model_name
         self._last = _Totals(time.monotonic(), 0, 0, 0)
         self._prev_snapshot: EngineSnapshot | None = None
@@ -144,6 +163,7 @@ class ServerMetrics:
         self.kv_cache_usage.set(snapshot.kv_cache_usage)
         if snapshot.num_step_tokens:
             self.iteration_tokens.observe(snapshot.num_step_tokens)
+        self.ops.on_step(snapshot)
         self._totals.steps += 1
         # The snapshot's counts are cumulative since the engine started: export what grew since the last.
 
@@ -163,6 +183,7 @@ class ServerMetrics:
             self._spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(max(0, count - old))
 
     def on_tokens(self, stream: RequestStream, num_new_tokens: int, now: float) -> None:
+        self.ops.on_tokens(stream, num_new_tokens)
         if stream.first_token_time is None:
             self.ttft.observe(now - stream.arrival_time)
             self.prompt_tokens.inc(stream.num_prompt_tokens)
@@ -176,6 +197,7 @@ class ServerMetrics:
         reasons = [o.finish_reason or "abort" for o in output.outputs]
         reason = "error" if output.error else ("abort" if "abort" in reasons else reasons[0])
         self._request_success.labels(self.model_name, reason).inc()
+        self.ops.on_finished(stream, output)
         self.e2e.observe(time.monotonic() - stream.arrival_time)
         m = stream.metrics()
         if m.first_scheduled_time is not None:

@@ -8,7 +8,9 @@ It covers the common case: float32 or packed (bf16, int8) weights on CPU, float3
 float32, bf16 or int8 cache, the C++ paged-decode attention, no q/k norm (Qwen3 keeps the Python path).
 A step whose requests have up to MAX_QUERY_LEN query tokens each (decode rows, speculative decoding's
 verification steps, short prompt chunks) runs here, causal within each request's query; longer
-chunks run layer by layer."""
+chunks run layer by layer. Under tensor parallelism each rank runs the stack on its shard, and the C++
+step calls back into Python for the vocab-parallel embedding lookup and the all-reduces after o_proj
+and down_proj (as the layer-by-layer path does)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import torch
 from torch import nn
 
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.distributed.communication import all_reduce_
+from tokenmill.distributed.parallel_state import tp_world_size
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.ops import build
 from tokenmill.quant.bf16 import Bf16Linear
@@ -92,6 +96,8 @@ class FusedDecode:
                 _packed(mlp.down_proj),
                 cache,
             )
+        if tp_world_size() > 1:  # the C++ step calls back for the vocab-parallel lookup and the all-reduces
+            stack.set_tensor_parallel(all_reduce_, model.embed_tokens)
         self._caches = caches
         return stack
 

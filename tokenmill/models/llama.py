@@ -1,7 +1,9 @@
 """One decoder for the Llama, Mistral, Qwen2 (QKV bias) and Qwen3 (q/k RMSNorm) families.
 
 The forward takes a flat batch: every scheduled token of every request in one row
-(`input_ids`, `positions`: [num_tokens]), with the attention metadata passed explicitly."""
+(`input_ids`, `positions`: [num_tokens]), with the attention metadata passed explicitly.
+Under tensor parallelism each rank holds its heads and its slice of the MLP (models/layers/linear.py)
+and sums the partial outputs of o_proj and down_proj over the ranks here."""
 
 from __future__ import annotations
 
@@ -14,7 +16,10 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.models.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
+from tokenmill.distributed.communication import all_reduce_
+from tokenmill.distributed.parallel_state import tp_world_size
+from tokenmill.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
+from tokenmill.models.layers.linear import MergedLinear, QKVLinear, RowParallelLinear, default_weight_loader
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
@@ -36,14 +41,15 @@ def head_dim_of(hf_config: Any) -> int:
 class Attention(nn.Module):
     def __init__(self, hf_config: Any, qk_norm: bool, qkv_bias: bool) -> None:
         super().__init__()
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        num_heads = hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         self.head_dim = head_dim_of(hf_config)
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = QKVLinear(
-            hf_config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias
-        )
-        self.o_proj = Linear(self.num_heads * self.head_dim, hf_config.hidden_size)
+        self.qkv_proj = QKVLinear(hf_config.hidden_size, self.head_dim, num_heads, num_kv_heads, bias=qkv_bias)
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hf_config.hidden_size)
+        self.tensor_parallel = tp_world_size() > 1
         eps = hf_config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
@@ -69,7 +75,8 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("the KV cache was not bound to this attention layer")
         out = backend.forward(q, k, v, self.kv_cache, meta, self.scale)  # [num_tokens, Hq, D]
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        out = self.o_proj(out.reshape(n, self.num_heads * self.head_dim))  # [num_tokens, hidden], partial
+        return all_reduce_(out) if self.tensor_parallel else out
 
 
 class MLP(nn.Module):
@@ -77,10 +84,13 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+        self.tensor_parallel = tp_world_size() > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.silu_and_mul(x))  # silu(gate) * up: [num_tokens, intermediate]
+        # silu(gate) * up: [num_tokens, intermediate / N]; then [num_tokens, hidden], partial under TP
+        out = self.down_proj(self.gate_up_proj.silu_and_mul(x))
+        return all_reduce_(out) if self.tensor_parallel else out
 
 
 class DecoderLayer(nn.Module):
@@ -115,13 +125,14 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = bool(getattr(hf_config, "attention_bias", False)) or model_type == "qwen2"
         self.config = hf_config
         self.backend = backend
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.vocab_size = int(hf_config.vocab_size)
+        self.embed_tokens = VocabParallelEmbedding(self.vocab_size, hf_config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(hf_config, qk_norm, qkv_bias) for _ in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else Linear(hf_config.hidden_size, hf_config.vocab_size)
+        self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(hf_config.hidden_size, self.vocab_size)
         self.rotary = RotaryEmbedding(head_dim_of(hf_config), max_position, rope_parameters(hf_config))
 
     def forward(
@@ -139,10 +150,12 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden_size] -> [n, vocab_size] float32."""
+        """[n, hidden_size] -> [n, vocab_size] float32, the same on every rank."""
         if self.lm_head is not None:  # a module, so quantization can swap it (see tokenmill.quant)
-            return self.lm_head(hidden).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+            logits = self.lm_head(hidden).float()  # [n, vocab / N]
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight).float()
+        return gather_logits(logits, self.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) into our parameters; returns the names loaded."""
@@ -164,6 +177,6 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
             owner = self.get_submodule(name.rpartition(".")[0])
             loader = getattr(owner, "weight_loader", default_weight_loader)
-            loader(param, tensor.to(param.dtype), shard_id)
+            loader(param, tensor, shard_id)  # copies (and converts) only this rank's slice
             loaded.add(name)
         return loaded

@@ -17,8 +17,10 @@ from torch import nn
 from tokenmill.quant.bf16 import Bf16Linear
 from tokenmill.quant.int8 import Int8Linear
 
-# name -> factory(weight [out, in], bias [out] | None) -> a module computing x @ weight.T + bias
-QuantLinearFactory = Callable[[torch.Tensor, "torch.Tensor | None"], nn.Module]
+# name -> factory(weight [out, in], bias [out] | None, row_parallel) -> a module computing x @ weight.T + bias.
+# row_parallel: the weight holds this tensor-parallel rank's input columns only (scales that span a whole
+# row must then be agreed across the ranks).
+QuantLinearFactory = Callable[[torch.Tensor, "torch.Tensor | None", bool], nn.Module]
 _METHODS: dict[str, QuantLinearFactory] = {}
 
 
@@ -56,14 +58,14 @@ def swap_linears(model: nn.Module, factory: QuantLinearFactory) -> nn.Module:
     for path, linear in targets:
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        quantized = factory(linear.weight, linear.bias)
+        quantized = factory(linear.weight, linear.bias, bool(getattr(linear, "row_parallel", False)))
         _keep_layout_attributes(linear, quantized)
         setattr(parent, child, quantized)
     if getattr(model, "lm_head", False) is None:  # tied: the head is the embedding's own copy
         embedding = getattr(model, "embed_tokens", None)
         if not isinstance(embedding, nn.Embedding):
             raise ValueError(f"{type(model).__name__} ties its head to an embedding it does not name embed_tokens")
-        model.lm_head = factory(embedding.weight, None)
+        model.lm_head = factory(embedding.weight, None, False)
     return model
 
 
@@ -75,7 +77,9 @@ def _keep_layout_attributes(source: nn.Module, target: nn.Module) -> None:
             setattr(target, key, value)
 
 
-register_quant_method("int8", Int8Linear.from_weight)
+register_quant_method(
+    "int8", lambda weight, bias, row_parallel: Int8Linear.from_weight(weight, bias, None, row_parallel)
+)
 
 __all__ = [
     "Bf16Linear",

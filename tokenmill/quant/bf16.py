@@ -22,7 +22,8 @@ class Bf16Linear(nn.Module):
     ones: torch.Tensor
     bias: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, row_parallel: bool = False) -> None:
+        """row_parallel (a tensor-parallel shard of the input columns) changes nothing: each shard packs as is."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         pad = (-self.out_features) % PANEL

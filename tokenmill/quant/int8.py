@@ -19,18 +19,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.distributed.communication import all_reduce_max_
 from tokenmill.ops import packed_gemm
 from tokenmill.quant.bf16 import split_silu_mul
 from tokenmill.quant.panels import PANEL, pack_int8, unpack_int8
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_channel(weight: torch.Tensor, row_parallel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """[out, in] float -> (int8 [out, in], float32 scale [out]) with weight ~= q * scale[:, None].
 
     Symmetric, range [-127, 127]: each row's largest magnitude maps to 127 (all-zero rows get a tiny
-    scale and stay zero)."""
+    scale and stay zero). row_parallel: `weight` is this tensor-parallel rank's slice of the input
+    columns; the row maxima are taken over every rank's slice, so the scales (and the int8 values) are
+    those of the whole weight."""
     w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [out]
+    absmax = w.abs().amax(dim=1)  # [out]
+    if row_parallel:
+        all_reduce_max_(absmax)
+    scale = (absmax / 127.0).clamp_min(1e-12)  # [out]
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
 
@@ -71,10 +77,15 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_weight(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: str | None = None
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        kernel: str | None = None,
+        row_parallel: bool = False,
     ) -> Int8Linear:
-        """Quantize a float weight [out, in] (and keep its bias in float32)."""
-        q, scale = quantize_per_channel(weight)
+        """Quantize a float weight [out, in] (and keep its bias in float32); row_parallel: see
+        quantize_per_channel."""
+        q, scale = quantize_per_channel(weight, row_parallel)
         return cls(q, scale, bias, kernel or default_kernel(weight.device))
 
     def int8_weight(self) -> torch.Tensor:

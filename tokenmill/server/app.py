@@ -26,8 +26,13 @@ from tokenmill.server.audit import AuditLog, AuditMiddleware
 from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
 from tokenmill.server.config import ServerState
+from tokenmill.server.dashboard import Dashboard
+from tokenmill.server.dashboard.errors import ErrorTrackerMiddleware
 from tokenmill.server.errors import APIError, error_body, install_error_handlers
 from tokenmill.server.hosts import HostMiddleware, allowed_hosts
+from tokenmill.server.models.admin import ADMIN_PREFIX, admin_router
+from tokenmill.server.models.listing import model_cards
+from tokenmill.server.models.pool import state_for_model
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -66,12 +71,19 @@ def build_app(state: ServerState) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.engine.start()
         task = asyncio.ensure_future(_log_throughput(state))
+        sampler = asyncio.ensure_future(dashboard.run())
+        if state.models is not None:
+            state.models.start()
         try:
             yield
         finally:
             task.cancel()
+            sampler.cancel()
+            if state.models is not None:
+                await state.models.close()
             state.engine.abort_all()
             await asyncio.to_thread(state.engine.shutdown)
+            await asyncio.to_thread(dashboard.close)
             if audit is not None:
                 await asyncio.to_thread(audit.close)  # writes every line still queued
 
@@ -85,17 +97,25 @@ def build_app(state: ServerState) -> FastAPI:
     audit = AuditLog(state.config.audit_log, state.config.audit_log_content) if state.config.audit_log else None
     app.state.audit = audit
     install_error_handlers(app)
+    dashboard = Dashboard(state)  # its sampler also feeds /metrics' process, cost and error figures
+    if state.config.dashboard:
+        app.include_router(dashboard.router)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: _SSE})
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        return await create_completion(state, body, request, _key(request))
+        async with state_for_model(state, body.model, _key(request)) as target:
+            return await create_completion(target, body, request, _key(request))
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, 200: _SSE})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        return await create_chat_completion(state, body, request, _key(request))
+        async with state_for_model(state, body.model, _key(request)) as target:
+            return await create_chat_completion(target, body, request, _key(request))
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
-    async def models() -> ModelList:
+    async def models(request: Request) -> Any:
+        if state.models is not None:  # as JSON: the cards' extra fields (version, aliases, state) stay
+            cards = model_cards(state.models, _key(request))
+            return JSONResponse({"object": "list", "data": [card.model_dump() for card in cards]})
         # The served name only: the model's path on this machine is no client's business.
         card = ModelCard(id=state.model_name, root=state.model_name, max_model_len=state.engine.max_model_len)
         return ModelList(data=[card])
@@ -129,11 +149,15 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        page = state.models.metrics.render() if state.models is not None else state.metrics.render()
+        return Response(page, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": tokenmill.__version__}
+
+    if state.models is not None:
+        app.include_router(admin_router(state.models, state.config.models.admin_key))
 
     # The last added runs first: keys are checked before any body is read.
     public = _PUBLIC_PATHS | {"/metrics"} if state.config.metrics_public else _PUBLIC_PATHS
@@ -141,6 +165,8 @@ def build_app(state: ServerState) -> FastAPI:
     if state.config.body_read_timeout_s is not None:  # bounds the body limit's read of the body
         app.add_middleware(ReadDeadlineMiddleware, timeout_s=state.config.body_read_timeout_s)  # type: ignore[arg-type]
     app.add_middleware(AuthMiddleware, state=state, public_paths=public)  # type: ignore[arg-type]
+    # Outside auth and the body limit, so that their 401s, 429s and 413s are counted too.
+    app.add_middleware(ErrorTrackerMiddleware, tracker=dashboard.errors)  # type: ignore[arg-type]
     if audit is not None:  # outside auth and the body limit, so that their 401s, 429s and 413s are written too
         app.add_middleware(AuditMiddleware, audit=audit, model_name=state.model_name)  # type: ignore[arg-type]
     if state.config.allowed_origins:  # outside auth: preflights carry no key, and 401s need CORS headers
@@ -164,6 +190,8 @@ async def _log_throughput(state: ServerState) -> None:
     while True:
         await asyncio.sleep(THROUGHPUT_LOG_INTERVAL_S)
         state.metrics.log_throughput()
+        if state.models is not None:
+            state.models.log_throughput()
 
 
 async def _send_error(send: Send, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
@@ -181,7 +209,8 @@ class AuthMiddleware:
         self.app, self.state, self.public = app, state, public_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.public:
+        # The admin routes check the admin key themselves.
+        if scope["type"] != "http" or scope["path"] in self.public or scope["path"].startswith(ADMIN_PREFIX):
             return await self.app(scope, receive, send)
         auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
         address = scope["client"][0] if scope.get("client") else ""

@@ -66,6 +66,7 @@ def job_fields(job: Job, content: bool) -> dict[str, Any]:
     if len(reasons) == 0 or len(outputs) < expected or any(o.finish_reason is None for o in outputs):
         reasons.add("abort")  # cut short: a client gone, an error
     fields: dict[str, Any] = {
+        "model": job.model_name,
         "prompt_tokens": job.num_prompt_tokens,
         "output_tokens": job.num_generated_tokens,
         "finish_reason": ",".join(sorted(reasons)),  # one reason per kind, e.g. "length" or "length,stop"

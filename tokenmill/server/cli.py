@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
+from typing import TYPE_CHECKING
 
-from tokenmill.server.config import API_KEY_ENV, PREFIX_CACHE_ISOLATION, ServerConfig
+from tokenmill.server.config import API_KEY_ENV, LOG_FORMATS, PREFIX_CACHE_ISOLATION, ServerConfig
+from tokenmill.server.models.config import PoolConfig, parse_extra_model
 from tokenmill.server.tool_parsers import TOOL_PARSERS
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineArgs
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -216,8 +222,94 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         '"required" and named functions work without it',
     )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_pool_args(parser)
+    _add_operations_args(parser)
     parser.set_defaults(func=cmd_serve)
     return parser
+
+
+def _add_pool_args(parser: argparse.ArgumentParser) -> None:
+    pool = parser.add_argument_group("several models (requests pick one by their `model` field)")
+    pool.add_argument(
+        "--registry",
+        default=None,
+        metavar="DIR",
+        help="also serve every version and alias of this model registry (tokenmill models add), loaded on "
+        "first use: name@version, an alias, or a bare name (its alias, else its highest version)",
+    )
+    pool.add_argument(
+        "--extra-model",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also serve the model at PATH as NAME, loaded on first use (repeat for several)",
+    )
+    pool.add_argument("--keep-alive", type=float, default=None, metavar="SECONDS", help="unload a model idle this long")
+    pool.add_argument(
+        "--max-loaded-models",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N resident models, the default one included; the least recently used idle one makes room",
+    )
+    pool.add_argument(
+        "--memory-budget-gb",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="resident models' estimated weights + KV cache stay within this; a load that cannot fit gets 503",
+    )
+    pool.add_argument(
+        "--admin-key", default=None, metavar="KEY", help="the key of /admin/... (load, unload, move aliases)"
+    )
+    pool.add_argument(
+        "--access-config",
+        default=None,
+        metavar="FILE",
+        help="API key -> models it may use (default: the registry's access.json, if present)",
+    )
+
+
+def _add_operations_args(parser: argparse.ArgumentParser) -> None:
+    ops = parser.add_argument_group("operations (/dashboard, Prometheus alerts, logs and traces)")
+    ops.add_argument("--slo-ttft-ms", type=float, default=None, help="time-to-first-token SLO (p99), drawn as a line")
+    ops.add_argument("--slo-itl-ms", type=float, default=None, help="inter-token latency SLO (p99), drawn as a line")
+    ops.add_argument(
+        "--throughput-baseline",
+        type=float,
+        default=None,
+        metavar="TOKS",
+        help="total tokens/s this server should reach under load (the throughput alerts' baseline); "
+        "default: the dashboard's best recent minute and the alerts' recording rule",
+    )
+    ops.add_argument(
+        "--cost-per-hour",
+        type=float,
+        default=None,
+        metavar="DOLLARS",
+        help="$ per hour of this server: cost per 1M tokens",
+    )
+    ops.add_argument("--no-dashboard", action="store_true", help="do not serve /dashboard")
+    ops.add_argument("--log-format", choices=LOG_FORMATS, default="text", help="json: one JSON object per log line")
+    ops.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="export per-request spans (queued, prefill, decode) over OTLP/HTTP, e.g. "
+        "http://localhost:4318/v1/traces (needs pip install 'tokenmill[otel]')",
+    )
+
+
+def _pool_config(args: argparse.Namespace) -> PoolConfig:
+    return PoolConfig(
+        registry=args.registry,
+        extra_models=tuple(parse_extra_model(v) for v in args.extra_model),
+        keep_alive_s=args.keep_alive,
+        max_loaded_models=args.max_loaded_models,
+        memory_budget_gb=args.memory_budget_gb,
+        admin_key=args.admin_key,
+        access_file=args.access_config,
+    )
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -268,14 +360,33 @@ def _server_config(args: argparse.Namespace, hosts: tuple[str, ...], origins: tu
         audit_log=args.audit_log,
         audit_log_content=args.audit_log_content,
         tool_call_parser=args.tool_call_parser,
+        models=_pool_config(args),
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_itl_ms=args.slo_itl_ms,
+        throughput_baseline=args.throughput_baseline,
+        cost_per_hour=args.cost_per_hour,
+        dashboard=not args.no_dashboard,
+        log_format=args.log_format,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 
-def cmd_serve(args: argparse.Namespace) -> None:
+def engine_and_server_config(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
+    """The engine's and the server's settings of parsed `tokenmill serve` flags."""
     from tokenmill.config import EngineArgs
     from tokenmill.engine.engine_args import engine_kwargs
+
+    return EngineArgs(model=args.model_path or args.model, **engine_kwargs(args)), server_config(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
     from tokenmill.server.launcher import serve
 
     logging.getLogger("tokenmill").setLevel(args.log_level.upper())  # uvicorn configures its own loggers
-    model = args.model_path or args.model
-    serve(EngineArgs(model=model, **engine_kwargs(args)), server_config(args), args.log_level)
+    if args.log_format == "json":
+        from tokenmill.metrics.logs import use_json_logs
+
+        use_json_logs(args.log_level)
+    if args.otlp_traces_endpoint and importlib.util.find_spec("opentelemetry.exporter.otlp") is None:
+        raise SystemExit("tokenmill serve: error: --otlp-traces-endpoint needs pip install 'tokenmill[otel]'")
+    serve(*engine_and_server_config(args), args.log_level)

@@ -7,15 +7,21 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.metrics.prometheus import ServerMetrics
 from tokenmill.server.errors import APIError
+from tokenmill.server.models.config import PoolConfig
 from tokenmill.server.security import ApiKeys, LoginThrottle, RateLimiter
 from tokenmill.server.tool_parsers import TOOL_PARSERS, ToolParser
 
+if TYPE_CHECKING:
+    from tokenmill.server.models.pool import ModelPool
+
 API_KEY_ENV = "TOKENMILL_API_KEY"  # one key, or several separated by commas
 PREFIX_CACHE_ISOLATION = ("shared", "per-key")
+LOG_FORMATS = ("text", "json")
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,17 @@ class ServerConfig:
     # How tool calls are found in free text (tool_choice "auto"): the format the model's chat template
     # teaches it (tool_parsers.TOOL_PARSERS); None: "auto" is refused (400)
     tool_call_parser: str | None = None
+    # Operations (the dashboard, alerts and Grafana draw these as lines): latency SLOs, the throughput
+    # (total tokens/s) the alerts compare with (None: the dashboard's best recent minute), $ per hour
+    slo_ttft_ms: float | None = None
+    slo_itl_ms: float | None = None
+    throughput_baseline: float | None = None
+    cost_per_hour: float | None = None
+    dashboard: bool = True  # serve /dashboard and /dashboard/data
+    log_format: str = "text"  # "json": one JSON object per log line
+    otlp_traces_endpoint: str | None = None  # export per-request spans there (OTLP over HTTP)
+    # Several models beside the default one (--registry, --extra-model), loaded on demand
+    models: PoolConfig = field(default_factory=PoolConfig)
 
     def __post_init__(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
@@ -91,6 +108,17 @@ class ServerConfig:
             raise ValueError("--max-logit-bias must not be negative")
         if self.max_prompt_logprobs_entries < 0:
             raise ValueError("--max-prompt-logprobs-entries must not be negative")
+        for name, value in (
+            ("--slo-ttft-ms", self.slo_ttft_ms),
+            ("--slo-itl-ms", self.slo_itl_ms),
+            ("--throughput-baseline", self.throughput_baseline),
+        ):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be a positive number")
+        if self.cost_per_hour is not None and not self.cost_per_hour >= 0:
+            raise ValueError("--cost-per-hour must not be negative")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}")
 
@@ -113,6 +141,8 @@ class ServerState:
     limiter: RateLimiter
     throttle: LoginThrottle = field(default_factory=LoginThrottle)
     draining: bool = False
+    models: ModelPool | None = None  # with --registry / --extra-model: the engines by model
+    routed: bool = False  # the pool picked this state for the request's model: check_model has nothing to do
     # Tokenization and chat templating, off the event loop. One thread: the HF tokenizer keeps per-call
     # settings (split_special_tokens) in shared state, so two encodes at once could let a user's text
     # become control tokens.
@@ -172,7 +202,7 @@ class ServerState:
         return min(self.config.max_prompt_tokens or self.engine.max_model_len, self.engine.max_model_len - 1)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and not self.routed:
             raise APIError(
                 404,
                 f"the model {model!r} does not exist; this server serves {self.model_name!r}.",

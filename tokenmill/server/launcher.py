@@ -13,6 +13,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 from types import FrameType
 
 import uvicorn
@@ -25,6 +26,7 @@ from tokenmill.server.app import build_app
 from tokenmill.server.config import ServerConfig, ServerState
 from tokenmill.server.header_deadline import header_deadline_protocol
 from tokenmill.server.hosts import is_loopback
+from tokenmill.server.models.setup import create_state
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +68,12 @@ class GracefulServer(uvicorn.Server):
             engine.num_in_flight,
             timeout,
         )
+        deadline = time.monotonic() + timeout
         if not await engine.wait_idle(timeout):
             logger.warning("aborting %d requests still in flight", engine.num_in_flight)
             engine.abort_all()
+        if self.state.models is not None:  # the other models' requests get what is left of the timeout
+            await self.state.models.drain_all(max(0.0, deadline - time.monotonic()))
         await asyncio.sleep(0.1)  # let the handlers write their last bytes
         self.should_exit = True
 
@@ -87,6 +92,8 @@ def make_server(state: ServerState, log_level: str = "info") -> GracefulServer:
         host=c.host,
         port=c.port,
         log_level=log_level,
+        # JSON logs: uvicorn's loggers keep the root's JSON handler instead of their own text ones
+        log_config=None if c.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
         timeout_graceful_shutdown=_FLUSH_TIMEOUT_S,
         access_log=log_level == "debug",
         ssl_certfile=c.ssl_certfile,
@@ -133,7 +140,7 @@ def serve(engine_args: EngineArgs, config: ServerConfig, log_level: str = "info"
         engine_process=not config.engine_in_thread,
         restart_policy=RestartPolicy(max_restarts=config.max_engine_restarts),
     )
-    state = ServerState.create(config, engine)
+    state = create_state(config, engine, engine_args)
     if config.host not in ("127.0.0.1", "localhost", "::1") and not state.keys.enabled:
         logger.warning(
             "listening on %s without an API key: anyone who can reach it can use it "

@@ -178,6 +178,7 @@ class Job:
     queue_deadline: float | None = None  # monotonic: past it with a prompt that has no output yet, the same
     timed_out: str | None = None  # which deadline aborted it
     speculative: bool = False  # the engine speculates: usage reports draft and accepted tokens
+    model_name: str | None = None  # the model it runs on (`name@version` when a pool routed it)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -244,6 +245,7 @@ def admit(
     reserved = sum(len(p.children) * (len(p.prompt_token_ids) + (p.params.max_tokens or 0)) for p in prepared)
     job = Job(prepared, state.limiter.acquire(key, reserved), arrival_time)
     job.speculative = state.engine.config.speculative is not None
+    job.model_name = state.model_name
     cfg_timeout, cfg_queue = cfg.request_timeout_s, cfg.max_queue_time_s
     timeout = _tighter(cfg_timeout, deadlines.request_timeout if deadlines else None)
     queue_time = _tighter(cfg_queue, deadlines.max_queue_time if deadlines else None)

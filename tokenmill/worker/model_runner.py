@@ -41,7 +41,9 @@ def kv_cache_bytes_per_block(config: EngineConfig, draft_hf_config: Any = None) 
 
 
 def _model_kv_bytes_per_block(config: EngineConfig, hf_config: Any) -> int:
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    """One rank's share: its own KV heads (one when the heads are copied to several ranks)."""
+    total_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    num_kv_heads = max(1, total_kv_heads // config.parallel.tensor_parallel_size)
     itemsize = torch.empty(0, dtype=getattr(torch, config.cache.kv_cache_dtype)).element_size()
     width = cache_row_width(head_dim_of(hf_config), config.cache.kv_cache_dtype)
     per_token: int = 2 * hf_config.num_hidden_layers * num_kv_heads * width * itemsize

@@ -7,7 +7,9 @@
 // weights and cache.
 #include <torch/extension.h>
 
+#include <atomic>
 #include <cstring>
+#include <exception>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -129,7 +131,7 @@ class DecodeStack {
     if (one_region()) return forward_team(input_ids, positions, slot_mapping, block_tables, seq_lens, starts);
 #endif
     const int64_t batch = input_ids.numel(), q_size = num_heads_ * head_dim_;
-    at::Tensor residual = embedding_.index_select(0, input_ids);  // [B, hidden], the residual stream
+    at::Tensor residual = embed(input_ids);  // [B, hidden], the residual stream
     const at::Tensor cos = cos_.index_select(0, positions), sin = sin_.index_select(0, positions);  // [B, D / 2]
     at::Tensor x;  // the normed activations
     const at::Tensor slots = slot_mapping.contiguous();
@@ -172,14 +174,26 @@ class DecodeStack {
         }
       }
       at::Tensor o = linear(layer.o, attn.view({batch, q_size}));
+      if (all_reduce_) all_reduce_(o);  // tensor parallel: this rank's heads' share, summed over the ranks
       ops::add_rms_norm_(o, residual, layer.post_attention_norm, eps_);
       x = linear(layer.down, linear_silu_mul(layer.gate_up, o));
+      if (all_reduce_) all_reduce_(x);
     }
     ops::add_rms_norm_(x, residual, final_norm_, eps_);
     return x;
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // Tensor parallelism: this rank holds its heads' and its MLP slice's weights, and a slice of the
+  // vocabulary's embedding rows. `all_reduce(t)` sums a partial [T, hidden] output over the ranks in
+  // place after o_proj and after down_proj; `embed(input_ids)` is the vocab-parallel lookup. Both are
+  // Python callables, called with the GIL that forward's caller holds (in the one-region path by the
+  // region's first thread, the caller's own, between barriers).
+  void set_tensor_parallel(pybind11::object all_reduce, pybind11::object embed) {
+    all_reduce_ = std::move(all_reduce);
+    embed_ = std::move(embed);
+  }
 
   static int64_t max_query_len() { return kMaxQueryLen; }
 
@@ -351,7 +365,7 @@ class DecodeStack {
                   " past its block table of ", tables.size(1), " blocks");
     for (const Layer& layer : layers_)
       attn::check_slots(slots.data_ptr<int64_t>(), B, layer.kv_cache.size(1) * layer.kv_cache.size(2));
-    at::Tensor residual = embedding_.index_select(0, input_ids);  // [B, hidden], the residual stream
+    at::Tensor residual = embed(input_ids);  // [B, hidden], the residual stream
     const at::Tensor cos = cos_.index_select(0, positions), sin = sin_.index_select(0, positions);  // [B, D / 2]
     at::Tensor x = at::rms_norm(residual, {hidden}, layers_[0].input_norm, eps_);  // as forward's layer 0
     const auto f32 = residual.options();
@@ -371,6 +385,23 @@ class DecodeStack {
     const int64_t* slot = slots.data_ptr<int64_t>();
     const int64_t inter = h.size(1);
     const float eps = static_cast<float>(eps_);
+    // Tensor parallel: thread 0 (the caller's thread, holding the GIL) sums x over the ranks while the
+    // others wait at the barrier. A failed all-reduce (a dead peer) must not throw inside the region:
+    // it is kept, every thread leaves the layer loop after the same barrier, and it is rethrown after.
+    std::exception_ptr reduce_error;
+    std::atomic<bool> failed{false};
+    const auto reduce_x = [&](Team& team, int64_t t) {
+      if (t == 0) {
+        try {
+          all_reduce_(x);
+        } catch (...) {
+          reduce_error = std::current_exception();
+          failed.store(true);
+        }
+      }
+      team.sync();
+      return !failed.load();
+    };
     Team::run([&](Team& team, int64_t t) {
       const int64_t T = team.size();
       const std::pair<int64_t, int64_t> share = row_share(B, t, T);
@@ -417,6 +448,7 @@ class DecodeStack {
         team.sync();
         gemm_share(layer.o, rows, B, xp, false, t, T);  // x <- the attention's output projection
         team.sync();
+        if (all_reduce_ && !reduce_x(team, t)) break;
         for (int64_t m = r0; m < r1; ++m)
           ops::add_rms_norm_row(xp + m * hidden, rp + m * hidden, layer.post_attention_norm.data_ptr<float>(), hidden,
                                 eps);
@@ -428,12 +460,14 @@ class DecodeStack {
         team.sync();
         gemm_share(layer.down, rows, B, xp, false, t, T);  // x <- the MLP's output
         team.sync();
+        if (all_reduce_ && !reduce_x(team, t)) break;
         const at::Tensor& next_norm = l + 1 < layers_.size() ? layers_[l + 1].input_norm : final_norm_;
         for (int64_t m = r0; m < r1; ++m)
           ops::add_rms_norm_row(xp + m * hidden, rp + m * hidden, next_norm.data_ptr<float>(), hidden, eps);
         if (l + 1 < layers_.size()) prepare_rows(layers_[l + 1].qkv, xp, hidden, r0, r1, rows);
       }
     });
+    if (reduce_error) std::rethrow_exception(reduce_error);
     return x;
   }
 
@@ -472,6 +506,12 @@ class DecodeStack {
   double eps_, scale_;
   at::Tensor final_norm_, embedding_, cos_, sin_;
   std::vector<Layer> layers_;
+  pybind11::object all_reduce_, embed_;  // null: one rank (set_tensor_parallel)
+
+  at::Tensor embed(const at::Tensor& input_ids) const {
+    if (embed_) return embed_(input_ids).cast<at::Tensor>();
+    return embedding_.index_select(0, input_ids);
+  }
 };
 
 }  // namespace tokenmill
@@ -481,6 +521,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor, at::Tensor>())
       .def("add_layer", &tokenmill::DecodeStack::add_layer)
       .def("forward", &tokenmill::DecodeStack::forward)
+      .def("set_tensor_parallel", &tokenmill::DecodeStack::set_tensor_parallel)
       .def_property_readonly("num_layers", &tokenmill::DecodeStack::num_layers)
       .def_property_readonly_static("max_query_len",
                                     [](const pybind11::object&) { return tokenmill::DecodeStack::max_query_len(); })

@@ -1,0 +1,72 @@
+"""The fleet's settings and its autoscaling policy, without Ray: flag parsing and validation, and the
+replica count the policy asks for."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tokenmill.fleet.autoscaling import TokenLoadPolicy
+from tokenmill.fleet.config import FleetConfig, parse_autoscale
+
+
+def test_autoscale_takes_min_colon_max() -> None:
+    assert parse_autoscale("1:4") == (1, 4)
+    with pytest.raises(ValueError, match="MIN:MAX"):
+        parse_autoscale("4")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_replicas": 0}, "--replicas"),
+        ({"min_replicas": 1}, "both"),
+        ({"min_replicas": 3, "max_replicas": 2}, "1 <= MIN <= MAX"),
+        ({"target_ongoing_requests": 0}, "--target-ongoing-requests"),
+    ],
+)
+def test_bad_settings_are_refused_with_the_flag_named(kwargs: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        FleetConfig(**kwargs)
+
+
+def test_bounds_are_the_fixed_count_or_the_autoscale_range() -> None:
+    assert FleetConfig(num_replicas=3).bounds == (3, 3)
+    assert FleetConfig(min_replicas=1, max_replicas=4).bounds == (1, 4)
+
+
+def context(replicas: int, requests: float, load_tokens: list[float], target_requests: float = 4) -> SimpleNamespace:
+    config = SimpleNamespace(get_target_ongoing_requests=lambda: target_requests)
+    metrics = {"load_tokens": {f"r{i}": t for i, t in enumerate(load_tokens)}}
+    return SimpleNamespace(
+        current_num_replicas=replicas,
+        target_num_replicas=replicas,
+        total_num_requests=requests,
+        aggregated_metrics=metrics,
+        config=config,
+    )
+
+
+def test_policy_follows_requests_when_they_are_the_larger_demand() -> None:
+    desired, _ = TokenLoadPolicy(target_load_tokens=10_000)(context(1, requests=12, load_tokens=[1000]))
+    assert desired == 3
+
+
+def test_policy_follows_tokens_when_a_few_requests_carry_many() -> None:
+    desired, _ = TokenLoadPolicy(target_load_tokens=1000)(context(2, requests=2, load_tokens=[2500, 2500]))
+    assert desired == 5
+
+
+def test_policy_keeps_the_target_while_no_replica_runs() -> None:
+    ctx = context(0, requests=0, load_tokens=[])
+    ctx.target_num_replicas = 1
+    assert TokenLoadPolicy()(ctx)[0] == 1
+
+
+def test_a_single_server_reports_a_fleet_of_one() -> None:
+    from tokenmill.metrics.prometheus import ServerMetrics
+
+    text = ServerMetrics("m").render().decode()
+    for state in ("current", "target", "min", "max"):
+        assert f'tokenmill:fleet_replicas{{model_name="m",state="{state}"}} 1.0' in text

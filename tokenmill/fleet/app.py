@@ -1,0 +1,111 @@
+"""The Ray Serve application: an ingress deployment in front of a replica deployment whose router is
+LLMRequestRouter. Start it with `tokenmill serve --replicas N` (launcher.py) or with Ray's CLI:
+
+    serve run tokenmill.fleet.app:build_app args="--replicas 2 --max-model-len 1024 MODEL"
+
+where `args` holds `tokenmill serve` flags."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tokenmill.config import EngineArgs
+from tokenmill.fleet.config import FleetConfig
+from tokenmill.server.config import ServerConfig
+
+if TYPE_CHECKING:
+    from ray.serve import Application
+
+APP_NAME = "tokenmill"
+REPLICA_DEPLOYMENT = "TokenmillReplica"
+INGRESS_DEPLOYMENT = "TokenmillIngress"
+
+
+def fleet_application(engine_args: EngineArgs, config: ServerConfig, fleet: FleetConfig) -> Application:
+    """The application for these settings (bind only: nothing starts until it is run)."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from tokenmill.fleet.autoscaling import TokenLoadPolicy
+    from tokenmill.fleet.ingress import FleetIngress
+    from tokenmill.fleet.replica import ReplicaServer
+    from tokenmill.fleet.router import LLMRequestRouter, StatsPowerOfTwoRouter
+
+    model = config.served_model_name or (Path(engine_args.model).name if engine_args.model else "default")
+    low, high = fleet.bounds
+    scaling: dict[str, Any] = (
+        {
+            "autoscaling_config": {
+                "min_replicas": low,
+                "max_replicas": high,
+                "target_ongoing_requests": fleet.target_ongoing_requests,
+                "upscale_delay_s": fleet.upscale_delay_s,
+                "downscale_delay_s": fleet.downscale_delay_s,
+                "look_back_period_s": 5.0,
+                "policy": {
+                    "policy_function": TokenLoadPolicy,
+                    "policy_kwargs": {"target_load_tokens": fleet.target_load_tokens},
+                },
+            }
+        }
+        if fleet.autoscale
+        else {"num_replicas": fleet.num_replicas}
+    )
+    deployment: Any = serve.deployment  # its overloads do not type the options form
+    router: dict[str, Any] = {
+        "request_router_class": LLMRequestRouter if fleet.prefix_router else StatsPowerOfTwoRouter,
+        "request_router_kwargs": {"slack_tokens": fleet.slack_tokens, "model_name": model},
+        "request_routing_stats_period_s": fleet.routing_stats_period_s,
+    }
+    replica = deployment(
+        ReplicaServer,
+        name=REPLICA_DEPLOYMENT,
+        ray_actor_options={"num_cpus": fleet.cpus_per_replica},
+        max_ongoing_requests=fleet.max_ongoing_requests,
+        health_check_period_s=fleet.health_check_period_s,
+        health_check_timeout_s=fleet.health_check_timeout_s,
+        graceful_shutdown_timeout_s=config.shutdown_timeout_s + 5,
+        **scaling,
+        request_router_config=RequestRouterConfig(**router),
+    )
+    # The ingress does no model work: it takes no CPU from the replicas' share.
+    ingress = deployment(
+        FleetIngress,
+        name=INGRESS_DEPLOYMENT,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=high * fleet.max_ongoing_requests * 2,
+    )
+    app: Application = ingress.bind(replica.bind(engine_args, config, fleet.num_threads), config, fleet, model)
+    return app
+
+
+def build_app(args: dict[str, str]) -> Application:
+    """Ray Serve's app builder (`serve run tokenmill.fleet.app:build_app args="..."`): `args` holds
+    `tokenmill serve` flags, e.g. "--replicas 2 --max-model-len 1024 MODEL"."""
+    unknown = set(args) - {"args"}
+    if unknown:
+        raise ValueError(f'build_app takes one argument, args="<tokenmill serve flags>" (got {sorted(unknown)})')
+    from tokenmill.fleet.cli import serve_parser
+    from tokenmill.server.cli import engine_and_server_config
+
+    parsed = serve_parser().parse_args(shlex.split(args.get("args", "")))
+    engine_args, config = engine_and_server_config(parsed)
+    return fleet_application(engine_args, config, fleet_config(parsed))
+
+
+def fleet_config(args: argparse.Namespace) -> FleetConfig:
+    """The fleet settings of parsed `tokenmill serve` flags."""
+    from tokenmill.fleet.config import parse_autoscale
+
+    low, high = parse_autoscale(args.autoscale) if args.autoscale else (None, None)
+    return FleetConfig(
+        num_replicas=args.replicas or 1,
+        min_replicas=low,
+        max_replicas=high,
+        target_ongoing_requests=args.target_ongoing_requests,
+        cpus_per_replica=args.cpus_per_replica,
+        prefix_router=args.fleet_router == "prefix-aware",
+    )

@@ -1,0 +1,115 @@
+"""The fleet's HTTP entry, behind Ray Serve's proxy: reads a request's body, works out its routing hints
+(prefix keys, token load), and relays it to a replica through a handle whose router is
+LLMRequestRouter (router.py); the replica's ASGI messages come back as they are produced (streams stay
+streams).
+
+A request whose replica fails before answering anything (the replica died, or it is draining) is
+sent again to another, up to `max_attempts` sends; a stream cut in the middle ends with an error
+event: never silently. /metrics is answered here: the fleet's own metrics
+plus every replica's, labelled with its replica. The ingress also watches the replica count and logs
+every scaling event."""
+
+# No `from __future__ import annotations` here: FastAPI reads the route methods' annotations after Ray
+# Serve has rebuilt them, and cannot resolve them from strings there.
+import asyncio
+import logging
+from dataclasses import asdict
+from typing import Any, cast
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from tokenmill.fleet.config import FleetConfig
+from tokenmill.fleet.logs import use_serve_logging
+from tokenmill.fleet.metrics import FleetMetrics
+from tokenmill.fleet.relay import Relay, retryable
+from tokenmill.fleet.routing import hints_from_body
+from tokenmill.server.config import ServerConfig
+from tokenmill.server.errors import APIError, error_body
+from tokenmill.server.security import ApiKeys
+
+logger = logging.getLogger(__name__)
+
+fleet_app = FastAPI(title="tokenmill fleet", docs_url=None, redoc_url=None, openapi_url=None)
+_SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "query_string", "headers")
+_WATCH_INTERVAL_S = 2.0
+_LIVE_STATES = ("STARTING", "UPDATING", "RECOVERING", "RUNNING", "PENDING_MIGRATION")
+
+
+@serve.ingress(fleet_app)
+class FleetIngress:
+    """The ingress deployment: one replica of it (it does no model work) in front of the replicas."""
+
+    async def __init__(  # type: ignore[misc]  # Ray Serve awaits an async constructor
+        self, replicas: DeploymentHandle[Any], config: ServerConfig, fleet: FleetConfig, model: str
+    ) -> None:
+        self.replicas = replicas.options(stream=True)
+        use_serve_logging()
+        self.config, self.fleet = config, fleet
+        self.stats = FleetMetrics.for_model(model)
+        self.keys = ApiKeys(config.keys(), ())
+        low, high = fleet.bounds
+        self.stats.set_replicas(0, low, low, high)
+        self._watch = asyncio.ensure_future(self._watch_replicas(replicas.deployment_name))
+
+    @fleet_app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        if self.keys.enabled and not self.config.metrics_public:
+            try:
+                self.keys.identify(request.headers.get("authorization"))
+            except APIError as exc:
+                return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return Response(self.stats.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @fleet_app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
+    async def forward(self, request: Request) -> Response:
+        body = await request.body()
+        scope = {k: request.scope[k] for k in _SCOPE_KEYS if k in request.scope}
+        scope.update(root_path="", client=request.scope.get("client"), server=request.scope.get("server"))
+        salt = request.headers.get("authorization") if self.config.prefix_cache_isolation == "per-key" else None
+        hints = hints_from_body(scope["path"], body, salt)
+        routing = asdict(hints) if hints is not None else None
+        failure = "no replica answered"
+        for attempt in range(1, self.fleet.max_attempts + 1):
+            stream = cast(DeploymentResponseGenerator[Any], self.replicas.handle.remote(scope, body, routing=routing))
+            try:
+                first: list[dict[str, Any]] = await stream.__anext__()
+            except RayActorError as exc:
+                failure = f"its replica failed before answering ({type(exc).__name__})"
+            else:
+                if not retryable(first):
+                    return Relay(first, stream)
+                failure = "its replica is shutting down"
+                stream.cancel()  # type: ignore[no-untyped-call]
+            if attempt < self.fleet.max_attempts:
+                self.stats.retries.labels(self.stats.model_name).inc()
+                logger.warning("%s %s: %s; sending it to another replica", scope["method"], scope["path"], failure)
+        message = f"the request could not be served: {failure} ({self.fleet.max_attempts} tries); retry later."
+        return JSONResponse(error_body(503, message, "replica_unavailable"), status_code=503)
+
+    async def _watch_replicas(self, deployment: str) -> None:
+        """Log every change of the replica count and keep tokenmill:fleet_replicas up to date."""
+        app_name = serve.get_replica_context().app_name
+        low, high = self.fleet.bounds
+        last = None
+        while True:
+            try:
+                status = await asyncio.to_thread(serve.status)
+                info = status.applications[app_name].deployments[deployment]
+            except Exception:  # the controller is busy or restarting: try again next time
+                logger.debug("could not read the deployment status", exc_info=True)
+            else:
+                states = {str(getattr(k, "value", k)): v for k, v in info.replica_states.items()}
+                current = states.get("RUNNING", 0)
+                target = sum(states.get(s, 0) for s in _LIVE_STATES)
+                self.stats.set_replicas(current, target, low, high)
+                if (current, target) != last:
+                    message = f": {info.message}" if info.message else ""
+                    logger.info(
+                        "fleet: %d replicas running, target %d (min %d, max %d)%s", current, target, low, high, message
+                    )
+                    last = (current, target)
+            await asyncio.sleep(_WATCH_INTERVAL_S)

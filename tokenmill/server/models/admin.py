@@ -1,0 +1,98 @@
+"""The admin API (/admin/...), behind --admin-key rather than the API keys:
+
+    POST /admin/models/load    {"model": "smol@2"}                 load now (the first request then waits for nothing)
+    POST /admin/models/unload  {"model": "smol@1"}                 drain its requests, then stop its engine
+    PUT  /admin/aliases/ALIAS  {"model": "smol@1", "unload_previous": true}
+                                move an alias (atomic for new requests); optionally drain and unload the old target
+    GET  /admin/models                                             what is loaded: state, requests, memory estimate
+
+Moving an alias back to the version it left is a rollback: requests already on the newer version finish there.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict
+
+from tokenmill.registry import RegistryError, UnknownModelError
+from tokenmill.server.errors import APIError
+from tokenmill.server.models.pool import LoadedModel, ModelPool
+
+ADMIN_PREFIX = "/admin/"
+
+
+class ModelAction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    drain_timeout: float | None = None  # unload: seconds its requests get before they are aborted
+
+
+class AliasMove(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    unload_previous: bool = False  # drain and unload the version the alias pointed at
+
+
+def admin_router(pool: ModelPool, admin_key: str | None) -> APIRouter:
+    def check_admin(request: Request) -> None:
+        if admin_key is None:
+            raise APIError(401, "the admin API is off: start the server with --admin-key.", "invalid_admin_key")
+        scheme, _, given = (request.headers.get("authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), admin_key.encode()):
+            raise APIError(
+                401,
+                "missing or wrong admin key: send 'Authorization: Bearer ADMIN_KEY'.",
+                "invalid_admin_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    router = APIRouter(prefix="/admin", dependencies=[Depends(check_admin)], include_in_schema=False)
+
+    @router.get("/models")
+    async def loaded() -> dict[str, Any]:
+        return {"data": [_describe(m) for m in pool.loaded()]}
+
+    @router.post("/models/load")
+    async def load(body: ModelAction) -> dict[str, Any]:
+        started = time.monotonic()
+        model = await pool.load(body.model)
+        return _describe(model) | {"seconds": round(time.monotonic() - started, 3)}
+
+    @router.post("/models/unload")
+    async def unload(body: ModelAction) -> dict[str, Any]:
+        started = time.monotonic()
+        model = await pool.unload(body.model, body.drain_timeout)
+        return _describe(model) | {"seconds": round(time.monotonic() - started, 3)}
+
+    @router.put("/aliases/{alias}")
+    async def move_alias(alias: str, body: AliasMove) -> dict[str, Any]:
+        try:
+            target, previous = pool.catalog.set_alias(alias, body.model)
+        except UnknownModelError as exc:
+            raise APIError(404, str(exc), "model_not_found", "model") from None
+        except RegistryError as exc:
+            raise APIError(400, str(exc), "invalid_alias") from None
+        unloaded = None
+        if body.unload_previous and previous is not None and previous != target.id:
+            if pool.status(previous) != "not_loaded":
+                unloaded = _describe(await pool.unload(previous))["id"]
+        return {"alias": alias, "model": target.id, "previous": previous, "unloaded": unloaded}
+
+    return router
+
+
+def _describe(model: LoadedModel) -> dict[str, Any]:
+    state = model.state
+    return {
+        "id": model.entry.id,
+        "state": model.status,
+        "pinned": model.pinned,
+        "requests": state.engine.num_in_flight if state is not None and model.status != "not_loaded" else 0,
+        "estimate_bytes": model.estimate_bytes,
+        "load_seconds": model.load_seconds,
+        "pid": model.pid,
+    }
