@@ -25,6 +25,8 @@ class ModelConfig:
     seed: int = 0
     tokenizer: str | None = None  # folder with the tokenizer files; None when the model has none
     quantization: str | None = None  # a method in tokenmill.quant (e.g. "int8"); None = full precision
+    quantization_group_size: int | None = None  # int4: in-features per scale (None: 32)
+    quantization_zero_point: bool = False  # int4: a minimum per group too
     # Set when the weights are rounded to a lower precision than `dtype` computes in: "bfloat16" asked
     # on a CPU without bf16 instructions runs bf16-rounded weights with float32 arithmetic.
     weight_dtype: str | None = None
@@ -225,7 +227,9 @@ class EngineArgs:
     device: str = "cpu"
     attention_backend: str = "auto"
     scheduling_policy: str = "fcfs"
-    quantization: str | None = None  # "int8": per-channel int8 weights, quantized at load
+    quantization: str | None = None  # "int8": per-channel int8 weights; "int4": group-wise 4-bit; at load
+    quantization_group_size: int | None = None  # int4: in-features per scale, 32 or 128 (None: 32)
+    quantization_zero_point: bool = False  # int4: a float minimum per group as well as a scale
     enforce_eager: bool = False  # every step layer by layer from Python: no CUDA graphs, no fused CPU decode
     # Where requests' sampling defaults come from (as vLLM's --generation-config): "auto" the model folder's
     # generation_config.json, "vllm" none (OpenAI's defaults), or a folder holding a generation_config.json.

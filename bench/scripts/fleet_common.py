@@ -113,7 +113,7 @@ def children(pid: int) -> list[int]:
 
 def write_result(name: str, result: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / name
+    path = RESULTS / Path(name).name  # a name, or a path whose file name is kept
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
     return path

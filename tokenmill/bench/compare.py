@@ -28,7 +28,7 @@ from tokenmill.bench.peers.drivers.peer_protocol import PeerPrompt, PeerRequest,
 from tokenmill.bench.roofline import MachineRates, ModelShape, Roofline, compute_fraction, decode_roofline, fraction_of
 
 TOKENMILL = "tokenmill"
-DTYPES = ("float32", "bfloat16", "int8")
+DTYPES = ("float32", "bfloat16", "int8", "q4_0", "q4_1")  # q4_*: tokenmill int4 (groups of 32)
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def resolve_compare_dtype(dtype: str) -> str:
     """auto means what tokenmill would pick on this machine (float32 on a CPU without native bf16)."""
     from tokenmill.loader.model_source import resolve_dtype
 
-    if dtype == "int8":
+    if dtype in ("int8", "q4_0", "q4_1"):
         return dtype
     resolved = resolve_dtype(dtype, "cpu")
     if resolved not in DTYPES:

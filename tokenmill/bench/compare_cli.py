@@ -62,7 +62,11 @@ def add_compare_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--workload", default="random-cpu", choices=TOKEN_WORKLOADS)
     parser.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of {','.join(PEERS)}")
     parser.add_argument("--model", default=None, help="HF folder or preset name (default: embedded SmolLM2-135M)")
-    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | int8 (q8_0 / int8 peers)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto | float32 | bfloat16 | int8 (q8_0 / int8 peers) | q4_0 | q4_1 (tokenmill int4, llama.cpp's formats)",
+    )
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--max-prompt-len", type=int, default=None)
     parser.add_argument("--max-output-len", type=int, default=None)

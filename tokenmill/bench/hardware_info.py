@@ -44,6 +44,7 @@ class KernelPaths:
     auto_dtype: str
     bf16_weights: str
     int8_weights: str
+    int4_weights: str
     attention: str
     int8_kv_cache: str
 
@@ -97,6 +98,7 @@ def kernel_paths(isa: dict[str, bool]) -> KernelPaths:
             auto_dtype=resolve_dtype("auto", "cpu"),
             bf16_weights="AVX-512 BF16 dot products (vdpbf16ps), float32 sums",
             int8_weights="VNNI int8 dot products (vpdpbusd), activations in groups of 32",
+            int4_weights="unpacked in registers, VNNI int8 dot products (vpdpbusd), activations in groups of 32",
             attention="AVX-512 paged attention over a bf16/int8 cache, decode and prompt rows",
             int8_kv_cache="yes",
         )
@@ -106,6 +108,7 @@ def kernel_paths(isa: dict[str, bool]) -> KernelPaths:
         auto_dtype=resolve_dtype("auto", "cpu"),
         bf16_weights=widened,
         int8_weights="AVX2 int16 multiply-adds (vpmaddwd)" if build.cpu_has_avx2() else "scalar int8",
+        int4_weights="AVX2 vpmaddubsw on activations in int8 groups of 32" if build.cpu_has_avx2() else "scalar int4",
         attention="portable C++ paged decode; prompt chunks through PyTorch SDPA",
         int8_kv_cache="no (needs the AVX-512 BF16 kernel)",
     )
@@ -189,6 +192,7 @@ def format_info(info: HardwareInfo) -> str:
         ('dtype="auto"', paths.auto_dtype),
         ("bf16 weights", paths.bf16_weights),
         ("int8 weights", paths.int8_weights),
+        ("int4 weights", paths.int4_weights),
         ("attention", paths.attention),
         ("int8 KV cache", paths.int8_kv_cache),
         ("memory", memory),

@@ -1,6 +1,7 @@
 """How much a quantized model differs from the unquantized one: greedy agreement and perplexity.
 
     tokenmill bench quality --quantization int8
+    tokenmill bench quality --quantization int4 --quantization-group-size 128
 
 Both numbers come from the engine itself (`LLM.generate`), so they measure what users get:
 greedy agreement over fixed prompts (the fraction of identical tokens up to each prompt's first
@@ -107,14 +108,24 @@ def run_quality(
     from tokenmill import LLM
 
     prompts = QUALITY_PROMPTS[:num_prompts]
+    # the method's own settings (int4's group size and zero point) go to the quantized engine only
+    options = {
+        k: engine_kwargs.pop(k) for k in ("quantization_group_size", "quantization_zero_point") if k in engine_kwargs
+    }
     results = []
-    for quant, kv in ((None, "auto"), (quantization, kv_cache_dtype)):
-        llm = LLM(model, quantization=quant, kv_cache_dtype=kv, **engine_kwargs)
+    for quant, kv, extra in ((None, "auto", {}), (quantization, kv_cache_dtype, options)):
+        llm = LLM(model, quantization=quant, kv_cache_dtype=kv, **engine_kwargs, **extra)
         results.append((greedy_tokens(llm, prompts, max_tokens), perplexity(llm)))
         del llm
         gc.collect()
     (ref_tokens, ref_ppl), (q_tokens, q_ppl) = results
-    label = quantization if kv_cache_dtype == "auto" else f"{quantization}, KV cache {kv_cache_dtype}"
+    label = quantization
+    if options.get("quantization_group_size"):
+        label += f" groups of {options['quantization_group_size']}"
+    if options.get("quantization_zero_point"):
+        label += " with minimums"
+    if kv_cache_dtype != "auto":
+        label += f", KV cache {kv_cache_dtype}"
     return QualityReport(label, greedy_agreement(ref_tokens, q_tokens), ref_ppl, q_ppl)
 
 

@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 PEAK_ROWS = 512
-BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+# q4_0: 4-bit levels and a 16-bit scale per 32 weights; q4_1 a 16-bit minimum too (tokenmill's int4 the same)
+BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "q4_0": 18 / 32, "q4_1": 20 / 32}
 
 
 @dataclass(frozen=True)
@@ -214,6 +215,8 @@ def measure_rates(shape: ModelShape, dtype: str, batch: int, threads: int) -> Ma
             "bfloat16": ["bfloat16", "float32"],
             "float16": ["float16", "float32"],
             "int8": ["int8", "bfloat16", "float32"],
+            "q4_0": ["int8", "bfloat16", "float32"],  # 4-bit weights multiply as int8 (VNNI) or wider
+            "q4_1": ["int8", "bfloat16", "float32"],
         }.get(dtype, [dtype])
         best = max(candidates, key=lambda d: measure_gemm(shape, d, batch, min_seconds=0.1))
         label = dtype if best == dtype else f"{dtype} as {best}"

@@ -22,7 +22,7 @@ from tokenmill.config import (
 )
 from tokenmill.loader.generation_config import describe_sampling_defaults, load_sampling_defaults
 from tokenmill.loader.model_source import ModelSource, resolve_precision, resolve_source
-from tokenmill.quant import check_quantization
+from tokenmill.quant import QuantOptions, check_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
     """The frozen config and the resolved model source (folder, tokenizer, eos ids)."""
     if args.load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {args.load_format!r}; use one of {LOAD_FORMATS}.")
-    check_quantization(args.quantization)
+    check_quantization(args.quantization, QuantOptions(args.quantization_group_size, args.quantization_zero_point))
     dtype, weight_dtype = resolve_precision(args.dtype, args.device)
     source = resolve_source(args.model, args.load_format)
     hf_config = source.hf_config
@@ -51,6 +51,8 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
         seed=args.seed,
         tokenizer=source.tokenizer,
         quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
+        quantization_zero_point=args.quantization_zero_point,
         generation_config=args.generation_config,
         sampling_defaults=load_sampling_defaults(args.generation_config, source.folder),
     )
@@ -173,7 +175,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default=d.quantization,
-        help="int8: per-channel int8 weights quantized at load (default: none)",
+        help="int8: per-channel int8 weights; int4: 4-bit weights in groups (see --quantization-group-size); "
+        "quantized at load (default: none)",
+    )
+    parser.add_argument(
+        "--quantization-group-size",
+        type=int,
+        default=d.quantization_group_size,
+        help="int4: in-features per scale, 32 or 128 (default 32)",
+    )
+    parser.add_argument(
+        "--quantization-zero-point",
+        action="store_true",
+        help="int4: a float minimum per group as well as a scale (asymmetric; default symmetric)",
     )
     parser.add_argument(
         "--enforce-eager",

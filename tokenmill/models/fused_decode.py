@@ -4,7 +4,7 @@ A decode step of a small model at batch 1 issues ~15 PyTorch calls per layer; fr
 about as much as the weight streaming they wrap. The C++ stack runs the same kernels on the same
 weights and KV cache, so the numbers match the layer-by-layer path (tests/e2e/test_fused_decode.py);
 it starts from the token ids (the embedding lookup and the rotary tables' rows are in the call too).
-It covers the common case: float32 or packed (bf16, int8) weights on CPU, float32 activations, a
+It covers the common case: float32 or packed (bf16, int8, int4) weights on CPU, float32 activations, a
 float32, bf16 or int8 cache, the C++ paged-decode attention, no q/k norm (Qwen3 keeps the Python path).
 A step whose requests have up to MAX_QUERY_LEN query tokens each (decode rows, speculative decoding's
 verification steps, short prompt chunks) runs here, causal within each request's query; longer
@@ -25,6 +25,7 @@ from tokenmill.distributed.parallel_state import tp_world_size
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.ops import build
 from tokenmill.quant.bf16 import Bf16Linear
+from tokenmill.quant.int4 import Int4Linear
 from tokenmill.quant.int8 import Int8Linear
 
 
@@ -35,6 +36,8 @@ def _packed(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
         return layer.packed, layer.ones, layer.bias, layer.out_features
     if isinstance(layer, Int8Linear) and layer.kernel == "cpu" and layer.bias is not None:
         return layer.qweight, layer.scale, layer.bias, layer.out_features
+    if isinstance(layer, Int4Linear) and layer.kernel == "cpu":  # its float16 group scales in the scale's place
+        return layer.qweight, layer.params, layer.bias, layer.out_features
     if isinstance(layer, nn.Linear) and layer.weight.dtype == torch.float32:
         none = torch.empty(0)
         return layer.weight, none, none if layer.bias is None else layer.bias, layer.out_features

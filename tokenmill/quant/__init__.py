@@ -1,6 +1,7 @@
 """Quantized linear methods, registered by name, applied as a module swap after the weights are loaded.
 
     LLM(quantization="int8")            # or: tokenmill generate --quantization int8
+    LLM(quantization="int4", quantization_group_size=128, quantization_zero_point=True)
 
 `quantize_model` replaces every linear layer (fused qkv, o, gate/up, down) and the LM head with the
 method's module, built from the loaded float weights; with tied embeddings the embedding lookup stays
@@ -10,39 +11,65 @@ tensors, so checkpoints stay plain bf16/fp32."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from tokenmill.quant.bf16 import Bf16Linear
+from tokenmill.quant.int4 import DEFAULT_GROUP_SIZE, Int4Linear, check_group_size
 from tokenmill.quant.int8 import Int8Linear
 
-# name -> factory(weight [out, in], bias [out] | None, row_parallel) -> a module computing x @ weight.T + bias.
+# factory(weight [out, in], bias [out] | None, row_parallel) -> a module computing x @ weight.T + bias.
 # row_parallel: the weight holds this tensor-parallel rank's input columns only (scales that span a whole
 # row must then be agreed across the ranks).
 QuantLinearFactory = Callable[[torch.Tensor, "torch.Tensor | None", bool], nn.Module]
-_METHODS: dict[str, QuantLinearFactory] = {}
 
 
-def register_quant_method(name: str, factory: QuantLinearFactory) -> None:
-    _METHODS[name] = factory
+@dataclass(frozen=True)
+class QuantOptions:
+    """A method's settings (--quantization-group-size, --quantization-zero-point); int4 takes them."""
+
+    group_size: int | None = None  # in-features per scale; None: the method's default
+    zero_point: bool = False  # a minimum per group as well as a scale
+
+
+# name -> method(options) -> the factory; a method raises ValueError for options it does not take
+QuantMethod = Callable[[QuantOptions], QuantLinearFactory]
+_METHODS: dict[str, QuantMethod] = {}
+
+
+def register_quant_method(name: str, method: QuantMethod) -> None:
+    _METHODS[name] = method
 
 
 def quant_methods() -> list[str]:
     return sorted(_METHODS)
 
 
-def check_quantization(name: str | None) -> None:
-    """Raise ValueError (listing the options) unless `name` is None or a registered method."""
-    if name is not None and name not in _METHODS:
+def check_quantization(name: str | None, options: QuantOptions = QuantOptions()) -> None:
+    """Raise ValueError (saying what to use) unless `name` is None or a registered method that takes
+    `options`."""
+    _factory(name, options)
+
+
+def _factory(name: str | None, options: QuantOptions) -> QuantLinearFactory | None:
+    if name is None:
+        if options != QuantOptions():
+            raise ValueError("--quantization-group-size and --quantization-zero-point need --quantization int4.")
+        return None
+    if name not in _METHODS:
         raise ValueError(f"unknown quantization {name!r}; use one of {quant_methods()} (or none).")
+    return _METHODS[name](options)
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, name: str) -> nn.Module:
+def quantize_model(model: nn.Module, name: str, options: QuantOptions = QuantOptions()) -> nn.Module:
     """Swap the model's linear layers and LM head for quantized ones, in place; returns the model."""
-    check_quantization(name)
-    return swap_linears(model, _METHODS[name])
+    factory = _factory(name, options)
+    if factory is None:
+        raise ValueError("quantize_model needs a quantization method, not None.")
+    return swap_linears(model, factory)
 
 
 @torch.no_grad()
@@ -77,13 +104,33 @@ def _keep_layout_attributes(source: nn.Module, target: nn.Module) -> None:
             setattr(target, key, value)
 
 
-register_quant_method(
-    "int8", lambda weight, bias, row_parallel: Int8Linear.from_weight(weight, bias, None, row_parallel)
-)
+def _int8(options: QuantOptions) -> QuantLinearFactory:
+    if options != QuantOptions():
+        raise ValueError(
+            "int8 has one scale per output channel: --quantization-group-size and --quantization-zero-point "
+            "are int4's settings."
+        )
+    return lambda weight, bias, row_parallel: Int8Linear.from_weight(weight, bias, None, row_parallel)
+
+
+def _int4(options: QuantOptions) -> QuantLinearFactory:
+    group_size = DEFAULT_GROUP_SIZE if options.group_size is None else options.group_size
+    check_group_size(group_size)
+    # A group's scale spans `group_size` input columns of one row: under tensor parallelism a rank's
+    # columns hold whole groups when its slice is a multiple of the group size, so nothing is agreed.
+    return lambda weight, bias, row_parallel: Int4Linear.from_weight(
+        weight, bias, group_size=group_size, zero_point=options.zero_point
+    )
+
+
+register_quant_method("int8", _int8)
+register_quant_method("int4", _int4)
 
 __all__ = [
     "Bf16Linear",
+    "Int4Linear",
     "Int8Linear",
+    "QuantOptions",
     "check_quantization",
     "pack_bf16_weights",
     "quant_methods",

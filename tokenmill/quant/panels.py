@@ -8,7 +8,8 @@
   multiply-adds (vpmaddwd, vdpbf16ps).
 - int8 k quads for AVX-512 VNNI: [P, K/4, 16, 4] stored as [P, K, 16] (K padded to whole groups of
   GROUP), each channel's weights for k..k+3 side by side and offset by 128 (stored bits = w ^ 0x80):
-  the unsigned operand of vpdpbusd."""
+  the unsigned operand of vpdpbusd.
+- int4 (every instruction set): the int8 quads' order, two quads a byte, [P, K, 8] (pack_int4)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,44 @@ def pack_int8(q: torch.Tensor, quads: bool) -> torch.Tensor:
 
 def unpack_int8(packed: torch.Tensor, out_features: int, in_features: int, quads: bool) -> torch.Tensor:
     return (unpack_quads if quads else unpack_pairs)(packed, out_features, in_features)
+
+
+def pack_int4(
+    levels: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """levels [out, KP] (0..15), scales and minimums [out, G] (quant/int4.py) -> (packed [P, KP, 8]
+    uint8, params [P, G, 16] or [P, G, 2, 16] float16), the 4-bit GEMM's layout
+    (ops/csrc/packed_int4.h): per panel and group of 32 k, four 64-byte lines, line j
+    holding each channel's levels for k 4j..4j+3 (low nibbles) and 16+4j..16+4j+3 (high nibbles),
+    channel by channel: the int8 k quads' order with two quads a byte. params: each group's 16
+    scales, then (with a zero point) its 16 minimums."""
+    out_features, in_padded = levels.shape
+    pad = (-out_features) % PANEL
+    num_panels = (out_features + pad) // PANEL
+    # [P, 16, A, half, j, i]: k = 32 a + 16 half + 4 j + i
+    q = F.pad(levels, (0, 0, 0, pad)).view(num_panels, PANEL, in_padded // 32, 2, 4, 4)
+    packed = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [P, 16, A, j, i]
+    packed = packed.permute(0, 2, 3, 1, 4).reshape(num_panels, in_padded, PANEL // 2).contiguous()
+
+    def per_panel(t: torch.Tensor) -> torch.Tensor:  # [out, G] -> [P, G, 16]
+        return F.pad(t, (0, 0, 0, pad)).view(num_panels, PANEL, -1).transpose(1, 2)
+
+    params = per_panel(scales) if minimums is None else torch.stack([per_panel(scales), per_panel(minimums)], dim=2)
+    return packed, params.contiguous()
+
+
+def unpack_int4(
+    packed: torch.Tensor, params: torch.Tensor, out_features: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """pack_int4's inverse: (levels [out, KP], scales [out, G], minimums [out, G] or None)."""
+    num_panels, in_padded, _ = packed.shape
+    lines = packed.view(num_panels, in_padded // 32, 4, PANEL, 4).permute(0, 3, 1, 2, 4)  # [P, 16, A, j, i]
+    q = torch.stack([lines & 0x0F, lines >> 4], dim=3)  # [P, 16, A, half, j, i]
+    levels = q.reshape(num_panels * PANEL, in_padded)[:out_features]
+
+    def per_channel(t: torch.Tensor) -> torch.Tensor:  # [P, G, 16] -> [out, G]
+        return t.transpose(1, 2).reshape(num_panels * PANEL, -1)[:out_features]
+
+    if params.dim() == 4:
+        return levels, per_channel(params[:, :, 0]), per_channel(params[:, :, 1])
+    return levels, per_channel(params), None

@@ -16,7 +16,7 @@ from tokenmill.loader.dummy import init_dummy_weights
 from tokenmill.models.layers.rotary import RotaryEmbedding
 from tokenmill.models.registry import model_class
 from tokenmill.ops import hugepages, packed_gemm
-from tokenmill.quant import Bf16Linear, Int8Linear, pack_bf16_weights, quantize_model
+from tokenmill.quant import Bf16Linear, Int4Linear, Int8Linear, QuantOptions, pack_bf16_weights, quantize_model
 from tokenmill.worker.model_interface import LoadsWeights
 
 
@@ -40,7 +40,8 @@ def load_model(config: ModelConfig, folder: Path | None, backend: AttentionBacke
     if config.weight_dtype is not None:
         round_weights(model, getattr(torch, config.weight_dtype))
     if config.quantization is not None:  # a module swap on the loaded float weights
-        quantize_model(model, config.quantization)
+        options = QuantOptions(config.quantization_group_size, config.quantization_zero_point)
+        quantize_model(model, config.quantization, options)
     elif config.weight_dtype == "bfloat16" and device == "cpu":
         if packed_gemm.available():  # half the bytes per decode step; the same numbers
             pack_bf16_weights(model)
@@ -55,7 +56,7 @@ def place_packed_weights(model: nn.Module) -> None:
     owners = [
         (module, name)
         for module in model.modules()
-        if isinstance(module, (Bf16Linear, Int8Linear))
+        if isinstance(module, (Bf16Linear, Int8Linear, Int4Linear))
         for name, buffer in module.named_buffers(recurse=False)
         if buffer.device.type == "cpu"
     ]

@@ -1,7 +1,8 @@
 """llama.cpp through llama-cpp-python, built from source (about 8 minutes on 2 cores; `-march=native`, so it
 uses whatever SIMD this CPU has). The source distribution is kept, because it ships llama.cpp's own
-`convert_hf_to_gguf.py`, which turns the same HF folder into the GGUF the driver loads (f32, bf16 or q8_0);
-the converter's needs (torch, transformers, sentencepiece) go into the same virtualenv."""
+`convert_hf_to_gguf.py`, which turns the same HF folder into the GGUF the driver loads (f32, bf16 or q8_0;
+q4_0 and q4_1 quantized from the f32 file by llama.cpp's own quantizer, `llama_model_quantize`, as
+llama-quantize does); the converter's needs (torch, transformers, sentencepiece) go into the same virtualenv."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 from tokenmill.bench.peers.base import TORCH_REQUIREMENT, PeerSpec, SetupStep, converted_weights, venv_python
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0"}
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1"}
+QUANTIZED_FROM_F32 = ("q4_0", "q4_1")  # the converter cannot write these: llama_model_quantize does
 _SDIST = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
 
 
@@ -87,8 +89,28 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
+_QUANTIZE = """
+import ctypes, sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + sys.argv[3].upper())
+if llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)) != 0:
+    sys.exit("llama_model_quantize failed")
+"""
+
+
 def _prepare(root: Path, model: Path, dtype: str) -> Path:
     outtype = GGUF_TYPES[dtype]
+    if outtype in QUANTIZED_FROM_F32:
+        f32 = _prepare(root, model, "float32")
+
+        def quantize(tmp: Path) -> None:
+            command = [str(venv_python(root)), "-c", _QUANTIZE, str(f32), str(tmp), outtype]
+            proc = subprocess.run(command, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{outtype} quantization failed: {' '.join(command)}\n{proc.stderr[-3000:]}")
+
+        return converted_weights(root, model, f"model-{outtype}.gguf", quantize)
     converter = source_dir(root) / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"
 
     def convert(tmp: Path) -> None:

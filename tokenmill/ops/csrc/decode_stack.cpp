@@ -25,8 +25,9 @@
 
 namespace tokenmill {
 
-// Either packed (packed [P, K, 16] int8 or bf16, scale [P * 16], bias [P * 16], out_features; see
-// packed_gemm.h) or dense float32 (weight [N, K], an empty tensor, bias [N] or empty, N).
+// Either packed (packed [P, K, 16] int8 or bf16, scale [P * 16], bias [P * 16], out_features; or int4:
+// packed [P, K, 8] uint8 with its float16 group params as scale; see packed_gemm.h) or dense float32
+// (weight [N, K], an empty tensor, bias [N] or empty, N).
 using PackedLinear = std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t>;
 
 inline at::Tensor linear(const PackedLinear& w, const at::Tensor& x) {
@@ -298,8 +299,9 @@ class DecodeStack {
     const at::Tensor& weight = std::get<0>(w);
     const int64_t KP = weight.size(1), G = KP / gemm::avx512::kGroup;
     constexpr int64_t kTile = gemm::avx512::kRows;
-    for (int64_t m = m0; m < m1; m += weight.scalar_type() == at::kChar ? 1 : kTile) {
-      if (weight.scalar_type() == at::kChar)
+    const bool q8 = weight.scalar_type() != at::kBFloat16;  // int8 and int4 weights take int8 groups
+    for (int64_t m = m0; m < m1; m += q8 ? 1 : kTile) {
+      if (q8)
         gemm::avx512::quantize_q8_row(x + m * K, K, KP, rows.values.data_ptr<int8_t>() + m * KP,
                                       rows.scales.data_ptr<float>() + m * G, rows.offsets.data_ptr<int32_t>() + m * G);
       else
@@ -321,23 +323,17 @@ class DecodeStack {
     const at::Tensor& weight = std::get<0>(w);
     const int64_t P = weight.size(0), KP = weight.size(1), N = std::get<3>(w);
     const auto run = [&](const auto* wp, const void* x, const float* group_scales, const int32_t* group_offsets) {
-      using W = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
-      const gemm::avx512::Problem<W> pr{wp,
-                                        KP * gemm::kPanel,
-                                        KP,
-                                        x,
-                                        group_scales,
-                                        group_offsets,
-                                        std::get<1>(w).data_ptr<float>(),
-                                        std::get<2>(w).data_ptr<float>(),
-                                        y,
-                                        N,
-                                        silu_mul ? N / 2 : N,
-                                        silu_mul ? P / 2 : 0};
+      auto pr = gemm::avx512::layer_problem(wp, P, KP, std::get<1>(w), std::get<2>(w), y, N, silu_mul);
+      pr.x = x;
+      pr.group_scales = group_scales;
+      pr.group_offsets = group_offsets;
       gemm::avx512::run_share(pr, M, P, t, threads);
     };
     if (weight.scalar_type() == at::kChar)
       run(weight.data_ptr<int8_t>(), rows.values.data_ptr<int8_t>(), rows.scales.data_ptr<float>(),
+          rows.offsets.data_ptr<int32_t>());
+    else if (weight.scalar_type() == at::kByte)
+      run(weight.data_ptr<uint8_t>(), rows.values.data_ptr<int8_t>(), rows.scales.data_ptr<float>(),
           rows.offsets.data_ptr<int32_t>());
     else
       run(reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), rows.tiles.data_ptr<int32_t>(), nullptr,

@@ -13,6 +13,8 @@
 //   k quads ([P, K4/4, 16, 4], K4 = K rounded up to kGroup) and each group's sum starts at
 //   -128 * (the group's sum of quantized activations), which cancels the offset exactly. After each
 //   group the int32 sum is scaled by the group's activation scale into float32.
+// - 4-bit weights (packed_int4.h's layout): the int8 path's activation groups, and per line of 64
+//   bytes two vpdpbusd, one on the low nibbles, one on the high (tile_q4).
 // Every row count runs these tiles (prefill too): they beat widening the weights for a BLAS sgemm.
 #pragma once
 
@@ -32,6 +34,7 @@
 #include <vector>
 
 #include "avx2_math.h"  // exp512
+#include "packed_int4.h"
 
 namespace tokenmill::gemm::avx512 {
 
@@ -280,9 +283,95 @@ inline void tile_q8(const int8_t* x, int64_t ldx, const float* scales, const int
   }
 }
 
+// ------------------------------------------------------------------------------- int4 weights
+// NP panels x MR rows over all activation groups, as tile_q8 (the same rows: offsets are -128 *
+// the group's sum of values). params[p]: panel p's float16 scales (and minimums) of each weight
+// group (`per` activation groups).
+template <int NP, int MR, bool kMinimums>
+inline void tile_q4(const int8_t* x, int64_t ldx, const float* scales, const int32_t* offsets, int64_t ldg,
+                    const uint8_t* const (&panels)[NP], const uint16_t* const (&params)[NP], int64_t per,
+                    int64_t groups, Fetch fetch, __m512 (&out)[NP][MR]) {
+  constexpr int kLines = int4::kLines;  // lines per panel per group
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+  for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) out[p][i] = _mm512_setzero_ps();
+  __m512 d[NP], mn[NP];
+  int64_t next = fetch.ahead ? fetch.slice : groups * kLines;  // the next line to request
+  const uint16_t* pp[NP];                                      // the next weight group's scales (and minimums)
+#pragma GCC unroll 4
+  for (int p = 0; p < NP; ++p) pp[p] = params[p];
+  int64_t left = 0;  // activation groups left in the current weight group (a counter: no division)
+  for (int64_t g = 0; g < groups; ++g) {
+    if (left-- == 0) {
+      left = per - 1;
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) {
+        d[p] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pp[p])));
+        if constexpr (kMinimums)
+          mn[p] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pp[p] + kPanel)));
+        pp[p] += (kMinimums ? 2 : 1) * kPanel;
+      }
+    }
+    const uint8_t* w[NP];
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) w[p] = panels[p] + g * int4::kGroupBytes;
+    const int8_t* xg = x + g * kGroup;
+    unsigned requests = 0;  // this group's lines to request (tile_q8)
+    for (; next < (g + 1) * kLines; next += fetch.slices) requests |= 1u << (next - g * kLines);
+    __m512i acc[NP][MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {  // without minimums the sum starts at -8 * sum(x): the levels' offset
+      const __m512i start = kMinimums ? _mm512_setzero_si512() : _mm512_set1_epi32(offsets[i * ldg + g] / 16);
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) acc[p][i] = start;
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < kLines; ++j) {
+      if (requests & (1u << j)) {
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; ++p)
+          _mm_prefetch(reinterpret_cast<const char*>(w[p] + fetch.ahead + j * 64), _MM_HINT_T1);
+      }
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) {
+        const __m512i v = _mm512_loadu_si512(w[p] + j * 64);
+        const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          acc[p][i] = _mm512_dpbusd_epi32(acc[p][i], lo, broadcast_pair(xg + i * ldx + 4 * j));
+          acc[p][i] = _mm512_dpbusd_epi32(acc[p][i], hi, broadcast_pair(xg + i * ldx + 16 + 4 * j));
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512 s = _mm512_set1_ps(scales[i * ldg + g]);
+      if constexpr (kMinimums) {
+        const __m512 sum = _mm512_set1_ps(static_cast<float>(offsets[i * ldg + g] / -128));
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; ++p)
+          out[p][i] = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[p][i]), d[p], _mm512_mul_ps(mn[p], sum)),
+                                      s, out[p][i]);
+      } else {
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; ++p)
+          out[p][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[p][i]), _mm512_mul_ps(d[p], s), out[p][i]);
+      }
+    }
+  }
+}
+
+// acc * scale + bias, or acc + bias where the weights carry no per-channel scale (int4: null).
+inline __m512 scaled(__m512 acc, const float* scale, const float* bias) {
+  return scale ? _mm512_fmadd_ps(acc, _mm512_loadu_ps(scale), _mm512_loadu_ps(bias))
+               : _mm512_add_ps(acc, _mm512_loadu_ps(bias));
+}
+
 // y[0:num_cols] = acc * scale + bias (scale and bias are padded to whole panels).
 inline void store_row(__m512 acc, const float* scale, const float* bias, float* y, int64_t num_cols) {
-  const __m512 r = _mm512_fmadd_ps(acc, _mm512_loadu_ps(scale), _mm512_loadu_ps(bias));
+  const __m512 r = scaled(acc, scale, bias);
   const __mmask16 mask = num_cols >= kPanel ? 0xFFFF : static_cast<__mmask16>((1u << num_cols) - 1);
   _mm512_mask_storeu_ps(y, mask, r);
 }
@@ -296,15 +385,16 @@ inline void store_silu_mul(__m512 gate, __m512 up, float* y) {
 
 // ------------------------------------------------------------------------------- the GEMM
 // What a call needs besides the tiles: the prepared activation rows and the output.
+// W: uint16_t (bf16), int8_t (int8) or uint8_t (int4, two levels a byte).
 template <typename W>
 struct Problem {
   const W* weights;              // packed panels
-  int64_t panel_stride;          // elements per panel (KP times 16)
-  int64_t KP;                    // x's features padded as the panels' k (bf16: even; int8: whole groups)
+  int64_t panel_stride;          // elements per panel (KP times 16; int4: KP times 8 bytes)
+  int64_t KP;                    // x's features padded as the panels' k (bf16: even; int8, int4: whole groups)
   const void* x;                 // bf16 row tiles (uint32_t pairs, see bf16_tiles) or int8 rows, [M, KP]
-  const float* group_scales;     // int8: [M, KP / kGroup]
-  const int32_t* group_offsets;  // int8: [M, KP / kGroup]
-  const float* scale;
+  const float* group_scales;     // int8, int4: [M, KP / kGroup]
+  const int32_t* group_offsets;  // int8, int4: [M, KP / kGroup]
+  const float* scale;            // per channel; null for int4 (its scales are per group: params)
   const float* bias;
   float* y;  // [M, ldy]
   int64_t N;
@@ -313,7 +403,35 @@ struct Problem {
   // q + P / 2 and y[:, 16 q : 16 q + 16] = silu(gate) * up, the MLP's activation in the GEMM's
   // epilogue (no [M, N] intermediate written and read back). 0: a plain GEMM.
   int64_t up_panels;
+  // int4: float16 scales (and minimums) per panel and weight group (packed_int4.h), their layout.
+  const uint16_t* params = nullptr;
+  int4::Geometry geometry{};
 };
+
+// The Problem of a packed layer: wp ([P, KP, 16] bf16 or int8, [P, KP, 8] int4), its scale
+// (int4: its float16 params) and bias; the caller fills in the rows (x, group_scales, group_offsets).
+template <typename W>
+inline Problem<W> layer_problem(const W* wp, int64_t P, int64_t KP, const at::Tensor& scale, const at::Tensor& bias,
+                                float* y, int64_t N, bool silu_mul) {
+  constexpr bool kInt4 = std::is_same_v<W, uint8_t>;
+  Problem<W> pr{wp,
+                KP * (kInt4 ? kPanel / 2 : kPanel),
+                KP,
+                nullptr,
+                nullptr,
+                nullptr,
+                kInt4 ? nullptr : scale.data_ptr<float>(),
+                bias.data_ptr<float>(),
+                y,
+                N,
+                silu_mul ? N / 2 : N,
+                silu_mul ? P / 2 : 0};
+  if constexpr (kInt4) {
+    pr.params = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+    pr.geometry = int4::geometry(scale, KP);
+  }
+  return pr;
+}
 
 template <typename W>
 constexpr int tile_rows() {
@@ -329,6 +447,17 @@ inline void run_tile(const Problem<W>& pr, int64_t m, const int64_t (&panel)[NP]
   for (int p = 0; p < NP; ++p) panels[p] = pr.weights + panel[p] * pr.panel_stride;
   if constexpr (std::is_same_v<W, uint16_t>) {
     tile_bf16<NP, MR>(static_cast<const uint32_t*>(pr.x) + m * pr.KP / 2, panels, pr.KP, fetch, out);
+  } else if constexpr (std::is_same_v<W, uint8_t>) {
+    const int64_t G = pr.KP / kGroup;
+    const uint16_t* params[NP];
+    for (int p = 0; p < NP; ++p) params[p] = pr.params + panel[p] * pr.geometry.params_stride;
+    const int8_t* x = static_cast<const int8_t*>(pr.x) + m * pr.KP;
+    if (pr.geometry.minimums)
+      tile_q4<NP, MR, true>(x, pr.KP, pr.group_scales + m * G, pr.group_offsets + m * G, G, panels, params,
+                            pr.geometry.per, G, fetch, out);
+    else
+      tile_q4<NP, MR, false>(x, pr.KP, pr.group_scales + m * G, pr.group_offsets + m * G, G, panels, params,
+                             pr.geometry.per, G, fetch, out);
   } else {
     const int64_t G = pr.KP / kGroup;
     tile_q8<NP, MR>(static_cast<const int8_t*>(pr.x) + m * pr.KP, pr.KP, pr.group_scales + m * G,
@@ -338,15 +467,16 @@ inline void run_tile(const Problem<W>& pr, int64_t m, const int64_t (&panel)[NP]
     if (pr.up_panels) {  // panel[1] == panel[0] + up_panels: the same channels' gate and up
       const int64_t g0 = panel[0] * kPanel, u0 = panel[1] * kPanel;
       for (int i = 0; i < MR; ++i)
-        store_silu_mul(_mm512_fmadd_ps(out[0][i], _mm512_loadu_ps(pr.scale + g0), _mm512_loadu_ps(pr.bias + g0)),
-                       _mm512_fmadd_ps(out[1][i], _mm512_loadu_ps(pr.scale + u0), _mm512_loadu_ps(pr.bias + u0)),
+        store_silu_mul(scaled(out[0][i], pr.scale ? pr.scale + g0 : nullptr, pr.bias + g0),
+                       scaled(out[1][i], pr.scale ? pr.scale + u0 : nullptr, pr.bias + u0),
                        pr.y + (m + i) * pr.ldy + g0);
       return;
     }
   }
   for (int p = 0; p < NP; ++p) {
     const int64_t n0 = panel[p] * kPanel, cols = std::min(kPanel, pr.N - n0);
-    for (int i = 0; i < MR; ++i) store_row(out[p][i], pr.scale + n0, pr.bias + n0, pr.y + (m + i) * pr.ldy + n0, cols);
+    for (int i = 0; i < MR; ++i)
+      store_row(out[p][i], pr.scale ? pr.scale + n0 : nullptr, pr.bias + n0, pr.y + (m + i) * pr.ldy + n0, cols);
   }
 }
 
@@ -473,7 +603,8 @@ class alignas(64) Share {
 };
 
 // x: [M, K] float32 -> [M, N] float32; wp: P panels, [P, KP, 16]: bf16 k pairs (KP = K rounded up to
-// even) or int8 k quads offset by 128 (KP = K rounded up to kGroup). With silu_mul (N == 16 P, P even,
+// even) or int8 k quads offset by 128 (KP = K rounded up to kGroup); or [P, KP, 8] int4 (packed_int4.h,
+// `scale` its params). With silu_mul (N == 16 P, P even,
 // checked by packed_linear): -> [M, N / 2], silu of the first half of the outputs times the second
 // (see Problem).
 template <typename W>
@@ -484,18 +615,7 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
   Buffer<uint32_t> xb;
   Q8Rows xq;
   const float* xp = x.data_ptr<float>();
-  Problem<W> pr{wp,
-                KP * kPanel,
-                KP,
-                nullptr,
-                nullptr,
-                nullptr,
-                scale.data_ptr<float>(),
-                bias.data_ptr<float>(),
-                y.data_ptr<float>(),
-                N,
-                ldy,
-                silu_mul ? P / 2 : 0};
+  Problem<W> pr = layer_problem(wp, P, KP, scale, bias, y.data_ptr<float>(), N, silu_mul);
   if constexpr (std::is_same_v<W, uint16_t>) {
     xb = bf16_tiles(xp, M, K, KP);
     pr.x = xb.get();

@@ -2,7 +2,7 @@
 of its own: up to `max_num_seqs` sequences share one unified KV cache, and each `llama_decode` call carries
 one token for every decoding sequence plus prompt chunks of newly admitted ones (up to n_batch tokens), so
 llama.cpp is not held to batch 1. Run with the llamacpp peer's Python on a GGUF converted from the same HF
-weights (`request.weights`: f32 for float32, bf16 for bfloat16, q8_0 for int8).
+weights (`request.weights`: f32 for float32, bf16 for bfloat16, q8_0 for int8, q4_0 and q4_1 as named).
 
 Options: max_num_seqs (default 64), n_batch (2048), n_ubatch (512), kv_type ("f32" | "f16" | "bf16";
 default f32 for float32 weights, llama.cpp's own default f16 otherwise), flash_attn (-1 auto, 0 off, 1 on).

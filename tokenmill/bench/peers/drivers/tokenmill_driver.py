@@ -34,6 +34,8 @@ def drive(request: PeerRequest) -> PeerResult:
         if "quantization" not in EngineArgs.__dataclass_fields__:
             raise RuntimeError("this tokenmill has no int8 quantization yet")
         kwargs["quantization"] = "int8"
+    elif request.dtype in ("q4_0", "q4_1"):  # llama.cpp's formats: int4 in groups of 32, q4_1 with minimums
+        kwargs.update(quantization="int4", quantization_group_size=32, quantization_zero_point=request.dtype == "q4_1")
     else:
         kwargs["dtype"] = request.dtype
     kwargs.setdefault("seed", request.seed)
