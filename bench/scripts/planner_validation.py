@@ -5,8 +5,9 @@ Usage: .venv/bin/python bench/scripts/planner_validation.py [--runs 3] [--num-pr
 
 1. Calibrate once: `tokenmill bench calibrate` on the embedded model (decode and prompt step costs).
 2. Predict, from the calibration alone, the saturation request rate of `random-cpu` and, at 30%, 60% and 90% of
-   it, the output throughput, TTFT p99 and TPOT p99 of a run of --num-prompts Poisson arrivals (the median over
-   seeds of the simulated run, since one run's arrivals vary).
+   it, the output throughput, TTFT p99 and TPOT p99 of each run: each run is `bench serve --seed S` (S unique,
+   so no prompt repeats into the prefix cache), whose requests and Poisson arrival times the simulation replays
+   exactly (they are a known input, not noise).
 3. Start `tokenmill serve` and measure the same with `tokenmill bench serve` --runs times per load; compare the
    medians: prediction error per figure (targets: throughput within 15%, TTFT/TPOT p99 within 30%).
 """
@@ -26,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
+from tokenmill.bench.datasets import MAX_TOKEN_ID, make_workload
 from tokenmill.planner.latency import saturation_rate
 from tokenmill.planner.simulate import simulate
 from tokenmill.planner.step_model import load_profile
@@ -36,7 +39,6 @@ _VENV_TOKENMILL = Path(sys.executable).with_name("tokenmill")
 TOKENMILL = str(_VENV_TOKENMILL) if _VENV_TOKENMILL.exists() else shutil.which("tokenmill") or "tokenmill"
 LOADS = (0.3, 0.6, 0.9)
 LATENCY_LOADS = (0.3, 0.6)
-SIM_SEEDS = 9
 WORKLOAD = "random-cpu"
 
 
@@ -58,28 +60,30 @@ def main() -> None:
     )
     calibrate_s = time.perf_counter() - start
     profile = load_profile(profile_path)
-    lengths = profile.lengths[: args.num_prompts]
-    _, sat_rate = saturation_rate(profile.costs, lengths * 8)  # a long run: the rate the engine sustains
-    predicted = {load: predict(profile_path, lengths, load * sat_rate) for load in LOADS}
+    _, sat_rate = saturation_rate(profile.costs, profile.lengths * 8)  # a long run: the rate the engine sustains
+    predicted: dict[float, list[dict[str, float]]] = {load: [] for load in LOADS}
     measured: dict[float, list[dict[str, float]]] = {load: [] for load in LOADS}
     with Server(args.port, engine, work / "serve.log") as server:
-        for _ in range(args.runs):
-            for load in LOADS:
-                measured[load].append(server.bench(load * sat_rate, args.num_prompts, work / f"r{load}.json"))
+        for run in range(args.runs):
+            for i, load in enumerate(LOADS):
+                # A seed per run and load: a repeated prompt would hit the server's prefix cache.
+                seed, rate = run * len(LOADS) + i, load * sat_rate
+                predicted[load].append(predict(profile_path, args.num_prompts, rate, seed))
+                measured[load].append(server.bench(rate, args.num_prompts, seed, work / f"r{load}.json"))
     rows = []
     for load in LOADS:
         med = {k: statistics.median(m[k] for m in measured[load]) for k in measured[load][0]}
-        row: dict[str, Any] = {"load": load, "request_rate": load * sat_rate, "predicted": predicted[load]}
+        pred = {k: statistics.median(p[k] for p in predicted[load]) for k in predicted[load][0]}
+        row: dict[str, Any] = {"load": load, "request_rate": load * sat_rate, "predicted": pred}
+        row["predicted_runs"] = predicted[load]
         row["measured_median"] = med
         row["measured_runs"] = measured[load]
         keys = ["output_tok_s"] + (["ttft_p99_ms", "tpot_p99_ms"] if load in LATENCY_LOADS else [])
-        row["error"] = {k: predicted[load][k] / med[k] - 1 for k in keys}
+        row["error"] = {k: pred[k] / med[k] - 1 for k in keys}
         rows.append(row)
         print(
             f"{load:.0%} of saturation ({load * sat_rate:.2f} req/s): "
-            + ", ".join(
-                f"{k} predicted {predicted[load][k]:.1f} measured {med[k]:.1f} ({row['error'][k]:+.0%})" for k in keys
-            )
+            + ", ".join(f"{k} predicted {pred[k]:.1f} measured {med[k]:.1f} ({row['error'][k]:+.0%})" for k in keys)
         )
     report = {
         "command": shlex.join(sys.argv),
@@ -96,15 +100,14 @@ def main() -> None:
     print(f"wrote {args.output}")
 
 
-def predict(profile_path: Path, lengths: list[tuple[int, int]], rate: float) -> dict[str, float]:
-    """The median over seeds of the simulated run of `lengths` at `rate`."""
+def predict(profile_path: Path, num_prompts: int, rate: float, seed: int) -> dict[str, float]:
+    """The simulated `bench serve --seed seed --request-rate rate`: its requests, its arrival times."""
     costs = load_profile(profile_path).costs
-    runs = [simulate(costs, lengths, rate, seed=s) for s in range(SIM_SEEDS)]
-    return {
-        "output_tok_s": statistics.median(r.output_tok_s for r in runs),
-        "ttft_p99_ms": statistics.median(r.ttft_p99_ms for r in runs),
-        "tpot_p99_ms": statistics.median(r.tpot_p99_ms for r in runs),
-    }
+    requests = make_workload(WORKLOAD, MAX_TOKEN_ID, seed=seed, num_requests=num_prompts)
+    lengths = [(len(r.prompt_token_ids), r.output_len) for r in requests]
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, num_prompts)  # as bench serve draws them
+    result = simulate(costs, lengths, rate, arrival_times=np.cumsum(gaps).tolist())
+    return {"output_tok_s": result.output_tok_s, "ttft_p99_ms": result.ttft_p99_ms, "tpot_p99_ms": result.tpot_p99_ms}
 
 
 class Server:
@@ -135,9 +138,9 @@ class Server:
         self.proc.wait(timeout=60)
         self.log.close()
 
-    def bench(self, rate: float, num_prompts: int, out: Path) -> dict[str, float]:
-        cmd = [TOKENMILL, "bench", "serve", "--base-url", self.url, "--workload", WORKLOAD]
-        cmd += ["--num-prompts", str(num_prompts), "--request-rate", f"{rate:.4f}", "--output-json", str(out)]
+    def bench(self, rate: float, num_prompts: int, seed: int, out: Path) -> dict[str, float]:
+        cmd = [TOKENMILL, "bench", "serve", "--base-url", self.url, "--workload", WORKLOAD, "--seed", str(seed)]
+        cmd += ["--num-prompts", str(num_prompts), "--request-rate", repr(rate), "--output-json", str(out)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         result = json.loads(out.read_text())["results"][0]
         return {

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 DECODE_BATCHES = (1, 4, 16, 64)
 DECODE_STEPS = 24  # tokens per request in a decode point: enough steps to average, few enough to stay short
-PREFILL_ROUNDS = 4  # prompt-only steps of a full token budget each
+PREFILL_ROUNDS = 4  # timed prompt-only steps of each size
 
 
 def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -90,16 +90,24 @@ def calibrate(llm: LLM, requests: list[BenchRequest]) -> dict[str, Any]:
     per_row, base = np.polyfit(rows, secs, 1) if len(points) > 1 else (0.0, secs[0])
     per_row = max(0.0, float(per_row))
     base = float(base) if base > 0 else float(secs.min())
-    # Prompt-only steps: full token budgets of the workload's mean prompt length, one output token each.
+    # Prompt-only steps of one prompt (the workload's mean length) and of a full token budget of them, one
+    # output token each; the per-token cost is the slope between the two step sizes. A first untimed round
+    # keeps one-time costs of the largest step (allocations) out of it.
     prompt_len = max(1, min(int(np.mean(prompt_lens)), sched.max_num_batched_tokens))
-    count = PREFILL_ROUNDS * max(1, sched.max_num_batched_tokens // prompt_len)
-    prompts = [{"prompt_token_ids": rng.integers(0, high, prompt_len).tolist()} for _ in range(count)]
-    steps_before = llm.engine.scheduler.stats.num_steps
-    start = time.perf_counter()
-    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=temperature), use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    num_steps = max(1, llm.engine.scheduler.stats.num_steps - steps_before)
-    per_token = max(elapsed - base * num_steps, elapsed * 0.5) / (prompt_len * count)
+    per_step = max(1, sched.max_num_batched_tokens // prompt_len)
+    params = SamplingParams(max_tokens=1, temperature=temperature)
+
+    def prompts(n: int) -> list[dict[str, list[int]]]:
+        return [{"prompt_token_ids": rng.integers(0, high, prompt_len).tolist()} for _ in range(n)]
+
+    llm.generate(prompts(per_step), params, use_tqdm=False)
+    single = _seconds_per_step(llm, [prompts(1) for _ in range(PREFILL_ROUNDS)], params)
+    full = _seconds_per_step(llm, [prompts(per_step) for _ in range(PREFILL_ROUNDS)], params)
+    tokens_full = per_step * prompt_len
+    if tokens_full > prompt_len and full > single:
+        per_token = (full - single) / (tokens_full - prompt_len)
+    else:  # one prompt fills the budget: the step's whole time over its tokens
+        per_token = full / tokens_full
     return {
         "step_costs": {
             "decode_base_s": base,
@@ -109,6 +117,20 @@ def calibrate(llm: LLM, requests: list[BenchRequest]) -> dict[str, Any]:
             "max_num_batched_tokens": sched.max_num_batched_tokens,
         },
         "decode_points": [{"rows": r, "step_s": s} for r, s in points],
-        "prefill": {"prompt_len": prompt_len, "requests": count, "steps": num_steps, "seconds": elapsed},
+        "prefill": {
+            "prompt_len": prompt_len,
+            "prompts_per_full_step": per_step,
+            "one_prompt_step_s": single,
+            "full_step_s": full,
+        },
         "lengths": [[p, o] for p, o in zip(prompt_lens, output_lens)],
     }
+
+
+def _seconds_per_step(llm: LLM, batches: list[list[dict[str, list[int]]]], params: SamplingParams) -> float:
+    """Wall seconds per engine step over `batches`, one `generate` call each."""
+    steps_before = llm.engine.scheduler.stats.num_steps
+    start = time.perf_counter()
+    for batch in batches:
+        llm.generate(batch, params, use_tqdm=False)
+    return (time.perf_counter() - start) / max(1, llm.engine.scheduler.stats.num_steps - steps_before)

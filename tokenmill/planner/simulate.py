@@ -32,7 +32,7 @@ class SimResult:
     """Figures as `tokenmill bench serve` reports them (TPOT per request; percentiles across requests)."""
 
     request_rate: float  # offered requests/s (inf: all at once)
-    duration_s: float  # first arrival to last token
+    duration_s: float  # the run's start (time 0) to its last token
     output_tok_s: float
     total_tok_s: float
     ttft_p50_ms: float
@@ -56,11 +56,21 @@ def arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     return times
 
 
-def simulate(costs: StepCosts, lengths: list[tuple[int, int]], rate: float, seed: int = 0) -> SimResult:
-    """Serve `lengths` ((prompt, output) per request) arriving at `rate`/s; see the module docstring."""
+def simulate(
+    costs: StepCosts,
+    lengths: list[tuple[int, int]],
+    rate: float,
+    seed: int = 0,
+    arrival_times: list[float] | None = None,
+) -> SimResult:
+    """Serve `lengths` ((prompt, output) per request) arriving at `rate`/s (or at `arrival_times`, seconds
+    from the run's start, when given); see the module docstring. The run lasts from 0 to its last token,
+    as `tokenmill bench serve` times it."""
     if not lengths:
         raise ValueError("the workload has no requests.")
-    times = arrivals(len(lengths), rate, seed)
+    times = arrival_times if arrival_times is not None else arrivals(len(lengths), rate, seed)
+    if len(times) != len(lengths):
+        raise ValueError(f"{len(times)} arrival times for {len(lengths)} requests.")
     pending = [_Flight(t, p, o) for t, (p, o) in zip(times, lengths)]
     pending.reverse()  # pop() takes the earliest
     waiting: list[_Flight] = []
@@ -104,8 +114,7 @@ def simulate(costs: StepCosts, lengths: list[tuple[int, int]], rate: float, seed
             done.append(flight)
             if flight.output > 1:
                 tpot.append((clock - flight.first_token_at) / (flight.output - 1))
-    start = min(f.arrival for f in done)
-    duration = clock - start
+    duration = clock
     out_tokens = sum(f.output for f in done)
     all_tokens = out_tokens + sum(f.prompt for f in done)
     return SimResult(
