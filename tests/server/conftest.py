@@ -87,6 +87,12 @@ def long_context_copy(model: Path, dest: Path, positions: int = 4096) -> Path:
     return dest
 
 
+def reseeded_copy(model: Path, dest: Path, seed: int) -> Path:
+    """The chat model's tokenizer and template with other random weights: its greedy text differs."""
+    shutil.copytree(model, dest)
+    return make_tiny_model(dest, "llama", seed=seed)
+
+
 @pytest.fixture(scope="session")
 def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_chat_model(tmp_path_factory.mktemp("tiny-chat"))

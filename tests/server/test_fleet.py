@@ -13,13 +13,14 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MODEL_NAME, engine_args, free_port
+from tests.server.conftest import MODEL_NAME, engine_args, free_port, reseeded_copy
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'tokenmill[ray]')")
 
 from tokenmill.fleet.config import FleetConfig  # noqa: E402
 from tokenmill.fleet.launcher import FleetRun  # noqa: E402
 from tokenmill.server.config import ServerConfig  # noqa: E402
+from tokenmill.server.models.config import PoolConfig  # noqa: E402
 
 KEY = "sk-fleet-test"
 SHARED = "The capital of France is Paris. The quick brown fox jumps over the lazy dog. " * 3  # ~3 blocks
@@ -30,7 +31,9 @@ def fleet(
     chat_model: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch_module: pytest.MonkeyPatch
 ) -> Iterator[str]:
     monkeypatch_module.delenv("RAY_ADDRESS", raising=False)
-    config = ServerConfig(port=free_port(), served_model_name=MODEL_NAME, api_keys=(KEY,))
+    other = reseeded_copy(chat_model, tmp_path_factory.mktemp("other") / "model", seed=1)
+    pool = PoolConfig(extra_models=(("other", str(other)),))  # every replica serves it too, on demand
+    config = ServerConfig(port=free_port(), served_model_name=MODEL_NAME, api_keys=(KEY,), models=pool)
     fleet = FleetConfig(num_replicas=2, routing_stats_period_s=0.5)
     run = FleetRun(engine_args(chat_model), config, fleet, log_to_driver=False)
     try:
@@ -84,7 +87,7 @@ def test_completion_and_chat_through_the_fleet(client: openai.OpenAI) -> None:
         model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, extra_body={"ignore_eos": True}
     )
     assert chat.choices[0].finish_reason == "length" and chat.usage is not None
-    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME, "other"]
 
 
 def test_streamed_chat_equals_the_unstreamed_one(client: openai.OpenAI) -> None:
@@ -144,3 +147,11 @@ def test_the_app_builder_takes_tokenmill_serve_flags(chat_model: Path) -> None:
     assert type(build_app({"args": f"--replicas 2 --max-model-len 256 {chat_model}"})).__name__ == "Application"
     with pytest.raises(ValueError, match="args="):
         build_app({"model": str(chat_model)})
+
+
+def test_the_replicas_serve_the_extra_model_by_name(client: openai.OpenAI) -> None:
+    default = client.completions.create(model=MODEL_NAME, prompt="The capital", max_tokens=8, temperature=0)
+    other = client.completions.create(model="other", prompt="The capital", max_tokens=8, temperature=0)
+    again = client.completions.create(model="other", prompt="The capital", max_tokens=8, temperature=0)
+    assert other.model == "other" and default.model == MODEL_NAME
+    assert other.choices[0].text == again.choices[0].text != default.choices[0].text  # its own weights

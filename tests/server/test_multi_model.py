@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL_NAME, RunningServer, engine_args, run_server
+from tests.server.conftest import MODEL_NAME, RunningServer, engine_args, reseeded_copy, run_server
 from tests.tiny_models import make_tiny_model
 from tokenmill.registry import Registry
 from tokenmill.registry.describe import describe
@@ -29,12 +28,6 @@ ADMIN = {"Authorization": "Bearer admin-secret"}
 ALL = {"Authorization": "Bearer sk-all"}  # may use every model
 ONLY_V1 = {"Authorization": "Bearer sk-v1"}  # may use tiny@1 only
 PROMPT = "The capital of France"
-
-
-def reseeded_copy(model: Path, dest: Path, seed: int) -> Path:
-    """The chat model's tokenizer and template with other random weights: its greedy text differs."""
-    shutil.copytree(model, dest)
-    return make_tiny_model(dest, "llama", seed=seed)
 
 
 @pytest.fixture(scope="module")

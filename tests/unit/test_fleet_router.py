@@ -173,3 +173,13 @@ def test_merged_metrics_label_every_sample_with_its_replica_and_drop_the_local_f
     assert 'tokenmill:prompt_tokens_total{replica="r1",model_name="m"} 5.0' in merged
     assert 'tokenmill:prompt_tokens_total{replica="r2",model_name="m"} 7.0' in merged
     assert "fleet_replicas" not in merged
+
+
+def test_the_model_joins_the_prefix_key() -> None:
+    def keys(model: str) -> list[str]:
+        hints = hints_from_body("/v1/completions", json.dumps({"model": model, "prompt": SYSTEM}).encode())
+        assert hints is not None
+        return hints.prefix_keys
+
+    assert keys("smol@1") == keys("smol@1")
+    assert not set(keys("smol@1")) & set(keys("smol@2"))  # two models, two KV caches on each replica

@@ -55,9 +55,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.replicas is None and args.autoscale is None:
         server_cli.cmd_serve(args)
         return
-    if getattr(args, "registry", None) or getattr(args, "extra_model", None):
-        message = "--replicas and --autoscale serve one model: leave out --registry and --extra-model"
-        raise SystemExit(f"tokenmill serve: error: {message}")
     from tokenmill.fleet.app import fleet_config
     from tokenmill.fleet.launcher import serve_fleet
 

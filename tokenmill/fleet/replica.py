@@ -21,7 +21,8 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.restart_policy import RestartPolicy
 from tokenmill.fleet.logs import use_serve_logging
 from tokenmill.server.app import build_app
-from tokenmill.server.config import ServerConfig, ServerState
+from tokenmill.server.config import ServerConfig
+from tokenmill.server.models.setup import create_state
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class ReplicaServer:
             engine_process=not config.engine_in_thread,
             restart_policy=RestartPolicy(max_restarts=config.max_engine_restarts),
         )
-        self.state = ServerState.create(config, engine)
+        self.state = create_state(config, engine, engine_args)  # with --registry: every replica's own pool
         self.app = build_app(self.state)
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()  # starts the engine loop on this replica's event loop

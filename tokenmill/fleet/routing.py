@@ -58,7 +58,8 @@ def prefix_keys(
 def hints_from_body(path: str, body: bytes, salt_extra: str | None = None) -> RoutingHints | None:
     """Routing hints of an OpenAI completions or chat request body; None for other routes or bodies
     that do not parse (the replica answers those; the router then only balances load).
-    `salt_extra` joins the request's cache_salt (the API key under per-key cache isolation)."""
+    `salt_extra` joins the request's cache_salt (the API key under per-key cache isolation); so does the
+    request's `model`, since each model a replica serves keeps its own prefix cache."""
     if path not in ("/v1/completions", "/v1/chat/completions"):
         return None
     try:
@@ -74,6 +75,9 @@ def hints_from_body(path: str, body: bytes, salt_extra: str | None = None) -> Ro
     salt = request.get("cache_salt")
     if salt_extra is not None:
         salt = json.dumps([salt, salt_extra])
+    model = request.get("model")
+    if isinstance(model, str) and model:  # with several models per replica, each has its own KV cache
+        salt = json.dumps([salt, "model", model])
     max_tokens = request.get("max_completion_tokens") or request.get("max_tokens") or DEFAULT_MAX_TOKENS
     n = request.get("n") or 1
     if not isinstance(max_tokens, int) or not isinstance(n, int):
