@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,3 +165,25 @@ class SamplingParams:
         for tok in list(self.logit_bias or {}) + self.stop_token_ids:
             if tok >= vocab_size:
                 raise ValueError(f"token id {tok} is outside the vocabulary (size {vocab_size}).")
+
+
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    """SamplingParams -> plain fields for msgpack (the engine process's and the executor's wire formats)."""
+    fields = dataclasses.asdict(params)
+    spec = params.structured_outputs
+    if spec is not None:
+        # [kind, value, whether the value is a dict schema sent as its JSON text]: msgpack cannot carry
+        # integers past 64 bits, which a JSON schema may hold.
+        value = getattr(spec, spec.kind)
+        is_dict = isinstance(value, dict)
+        fields["structured_outputs"] = [spec.kind, json.dumps(value) if is_dict else value, is_dict]
+    return fields
+
+
+def params_from_wire(fields: dict[str, Any]) -> SamplingParams:
+    """The inverse of params_to_wire."""
+    spec = fields.pop("structured_outputs")
+    if spec is not None:
+        kind, value, is_dict = spec
+        spec = StructuredOutputsParams(**{kind: json.loads(value) if is_dict else value})
+    return SamplingParams(**fields, structured_outputs=spec)

@@ -8,7 +8,6 @@ which the front end's copy of the request lacks."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import msgpack
@@ -29,7 +28,7 @@ from tokenmill.engine.messages import (
     Stop,
 )
 from tokenmill.outputs import EngineCoreOutput, Logprob, TokenLogprobs
-from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenmill.sampling_params import params_from_wire, params_to_wire
 
 # A decoded msgpack value: Any is honest here, the decoders below give it its shape.
 Fields = list[Any]
@@ -76,7 +75,7 @@ def _encode_request(r: Request) -> Fields:
     return [
         r.req_id,
         r.prompt_token_ids,
-        _encode_params(r.sampling_params),
+        params_to_wire(r.sampling_params),
         sorted(r.eos_token_ids),
         r.priority,
         r.arrival_time,
@@ -90,33 +89,13 @@ def _decode_request(fields: Fields, siblings: dict[str, Request]) -> Request:
     return Request(
         req_id,
         ids,
-        _decode_params(params),
+        params_from_wire(params),
         frozenset(eos),
         priority,
         arrival,
         prefill_leader=siblings.get(leader) if leader is not None else None,
         cache_salt=cache_salt,
     )
-
-
-def _encode_params(params: SamplingParams) -> dict[str, Any]:
-    fields = dataclasses.asdict(params)
-    spec = params.structured_outputs
-    if spec is not None:
-        # [kind, value, whether the value is a dict schema sent as its JSON text]: msgpack cannot carry
-        # integers past 64 bits, which a schema may hold (JSON can).
-        value = getattr(spec, spec.kind)
-        is_dict = isinstance(value, dict)
-        fields["structured_outputs"] = [spec.kind, json.dumps(value) if is_dict else value, is_dict]
-    return fields
-
-
-def _decode_params(fields: dict[str, Any]) -> SamplingParams:
-    spec = fields.pop("structured_outputs")
-    if spec is not None:
-        kind, value, is_dict = spec
-        spec = StructuredOutputsParams(**{kind: json.loads(value) if is_dict else value})
-    return SamplingParams(**fields, structured_outputs=spec)
 
 
 # ---------------------------------------------------------------------- events

@@ -5,15 +5,13 @@ whole SchedulerOutput, so every rank updates the same request states and runs th
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
 from tokenmill.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenmill.sampling_params import params_from_wire, params_to_wire
 
 Fields = list[Any]  # a decoded msgpack value; the decoders below give it its shape
 
@@ -80,7 +78,7 @@ def decode_command(data: bytes) -> WorkerCommand:
 
 def _encode_sched(s: SchedulerOutput) -> Fields:
     new = [
-        [r.req_id, r.prompt_token_ids, r.output_token_ids, _encode_params(r.sampling_params), r.block_ids,
+        [r.req_id, r.prompt_token_ids, r.output_token_ids, params_to_wire(r.sampling_params), r.block_ids,
          r.num_computed_tokens]
         for r in s.new_requests
     ]  # fmt: skip
@@ -99,7 +97,7 @@ def _decode_sched(fields: Fields) -> SchedulerOutput:
     new, cached, num_scheduled, total, finished, spec = fields
     return SchedulerOutput(
         new_requests=[
-            NewRequestData(req_id, prompt, output, _decode_params(params), blocks, computed)
+            NewRequestData(req_id, prompt, output, params_from_wire(params), blocks, computed)
             for req_id, prompt, output, params, blocks, computed in new
         ],
         cached_requests=[CachedRequestData(*r) for r in cached],
@@ -108,23 +106,3 @@ def _decode_sched(fields: Fields) -> SchedulerOutput:
         finished_req_ids=set(finished),
         scheduled_spec_tokens=spec,
     )
-
-
-def _encode_params(params: SamplingParams) -> dict[str, Any]:
-    fields = dataclasses.asdict(params)
-    spec = params.structured_outputs
-    if spec is not None:
-        # [kind, value, whether the value is a dict schema sent as its JSON text]: msgpack cannot carry
-        # integers past 64 bits, which a JSON schema may hold.
-        value = getattr(spec, spec.kind)
-        is_dict = isinstance(value, dict)
-        fields["structured_outputs"] = [spec.kind, json.dumps(value) if is_dict else value, is_dict]
-    return fields
-
-
-def _decode_params(fields: dict[str, Any]) -> SamplingParams:
-    spec = fields.pop("structured_outputs")
-    if spec is not None:
-        kind, value, is_dict = spec
-        spec = StructuredOutputsParams(**{kind: json.loads(value) if is_dict else value})
-    return SamplingParams(**fields, structured_outputs=spec)
