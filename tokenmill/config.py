@@ -227,7 +227,7 @@ class EngineArgs:
     device: str = "cpu"
     attention_backend: str = "auto"
     scheduling_policy: str = "fcfs"
-    quantization: str | None = None  # "int8": per-channel int8 weights; "int4": group-wise 4-bit; at load
+    quantization: str | None = None  # "int8", "int4": quantized at load; "gguf": a .gguf file's own blocks
     quantization_group_size: int | None = None  # int4: in-features per scale, 32 or 128 (None: 32)
     quantization_zero_point: bool = False  # int4: a float minimum per group as well as a scale
     enforce_eager: bool = False  # every step layer by layer from Python: no CUDA graphs, no fused CPU decode

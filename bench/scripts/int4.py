@@ -13,6 +13,7 @@
   on GGUF files quantized by llama.cpp itself from the same weights.
 
 Usage: .venv/bin/python bench/scripts/int4.py [--out DIR] [--runs 2] [--skip quality,logits,llamacpp]
+           [--speed-precisions "bf16,int8,int4 g32,gguf native"]
 Writes DIR/summary.md and one JSON per run (default bench/results/int4).
 """
 
@@ -32,8 +33,10 @@ PRECISIONS: dict[str, list[str]] = {
     "int4 g32": ["--quantization", "int4"],
     "int4 g128": ["--quantization", "int4", "--quantization-group-size", "128"],
     "int4 g32 zp": ["--quantization", "int4", "--quantization-zero-point"],
+    # the embedded GGUF's own blocks (Q4_1 layers, Q8_0 head), not quantized again from the bf16 expansion
+    "gguf native": ["--quantization", "gguf"],
 }
-QUALITY = {name: flags for name, flags in PRECISIONS.items() if name.startswith("int4")}
+QUALITY = {name: flags for name, flags in PRECISIONS.items() if flags}
 TOKENMILL = [sys.executable, "-c", "import sys; from tokenmill.cli import main; sys.argv[0] = 'tokenmill'; main()"]
 
 
@@ -49,9 +52,9 @@ def weight_bytes() -> list[str]:
     import torch
 
     from tokenmill import LLM
-    from tokenmill.quant import Bf16Linear, Int4Linear, Int8Linear
+    from tokenmill.quant import Bf16Linear, GroupedLinear, Int8Linear
 
-    linear_kinds = (torch.nn.Linear, Bf16Linear, Int8Linear, Int4Linear)
+    linear_kinds = (torch.nn.Linear, Bf16Linear, Int8Linear, GroupedLinear)
     rows = ["| precision | linear layers + head MB | all model tensors MB |", "|---|---|---|"]
     for name, flags in PRECISIONS.items():
         model = LLM(None, dtype="bfloat16", num_kv_blocks=16, **engine_kwargs(flags)).engine.runner.model
@@ -78,11 +81,12 @@ def throughput(out: Path, name: str, flags: list[str], tag: str, workload_args: 
     return dict(json.loads(path.read_text())["results"])
 
 
-def speed_tables(out: Path, runs: int) -> list[str]:
+def speed_tables(out: Path, runs: int, names: list[str]) -> list[str]:
     batch1 = ["--workload", "fixed-128-1024", "--max-output-len", "256", "--num-prompts", "4", "--max-num-seqs", "1"]
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     for run in range(runs):
-        for name, flags in PRECISIONS.items():  # interleaved: a slow minute hits every precision alike
+        for name in names:  # interleaved: a slow minute hits every precision alike
+            flags = PRECISIONS[name]
             for tag, args in (("b1", batch1), ("random-cpu", ["--workload", "random-cpu"])):
                 results.setdefault((tag, name), []).append(throughput(out, name, flags, f"{tag}-r{run}", args))
                 print(
@@ -97,7 +101,7 @@ def speed_tables(out: Path, runs: int) -> list[str]:
         "batch-1 decode vs int8 | random-cpu vs int8 |",
         "|---|---|---|---|---|---|",
     ]
-    for name in PRECISIONS:
+    for name in names:
         b1, b1_out, rc = (
             median("b1", name, "decode_tok_s"),
             median("b1", name, "output_tok_s"),
@@ -119,7 +123,7 @@ def quality_table() -> list[str]:
         text = tokenmill("bench", "quality", *flags)
         values = dict(line.strip().rsplit("  ", 1) for line in text.splitlines() if line.startswith("  "))
         values = {k.strip(): v.strip() for k, v in values.items()}
-        ppl = next(v for k, v in values.items() if k.startswith("perplexity (int4"))
+        ppl = next(v for k, v in values.items() if k.startswith("perplexity (") and "unquantized" not in k)
         rows.append(
             f"| {name} | {values['up to first divergence']} / {values['overall (same position)']} | {ppl} "
             f"(bf16 {values['perplexity (unquantized)']}) | {values['relative difference']} |"
@@ -170,7 +174,7 @@ def logit_error_table(preset: str = "qwen2.5-0.5b") -> list[str]:
     reference = logits_of([])
     rows = [f"| precision ({preset}, random weights) | logit error (relative) | top-1 agreement |", "|---|---|---|"]
     for name, flags in PRECISIONS.items():
-        if not flags:
+        if not flags or "gguf" in flags:  # random weights have no GGUF file
             continue
         got = logits_of(flags)
         error = float((got - reference).norm() / reference.norm())
@@ -180,9 +184,9 @@ def logit_error_table(preset: str = "qwen2.5-0.5b") -> list[str]:
 
 
 def llamacpp_tables(out: Path) -> list[str]:
-    from tokenmill.bench.peers import PEERS, is_set_up
+    from tokenmill.bench.peers import is_set_up
 
-    if not is_set_up(PEERS["llamacpp"]):
+    if not is_set_up("llamacpp"):
         return ["llama.cpp: not set up here (run `tokenmill bench setup-peer llamacpp`, ~10 minutes); skipped."]
     rows = []
     batch1 = ["--workload", "fixed-128-1024", "--max-output-len", "256", "--num-prompts", "4", "--max-num-seqs", "1"]
@@ -203,6 +207,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/int4"))
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument(
+        "--speed-precisions",
+        default=",".join(PRECISIONS),
+        help=f"comma-separated, of: {', '.join(PRECISIONS)} (int8 is always in: the ratios are to it)",
+    )
     parser.add_argument("--skip", default="", help="comma-separated: weights, speed, quality, logits, llamacpp")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
@@ -211,7 +220,12 @@ def main() -> None:
     if "weights" not in skip:
         sections.append(("Resident weight bytes", weight_bytes()))
     if "speed" not in skip:
-        sections.append(("Throughput (medians)", speed_tables(args.out, args.runs)))
+        names = [n.strip() for n in args.speed_precisions.split(",") if n.strip()]
+        unknown = [n for n in names if n not in PRECISIONS]
+        if unknown:
+            parser.error(f"unknown precision(s) {unknown}; use {list(PRECISIONS)}")
+        names = names if "int8" in names else ["int8", *names]
+        sections.append(("Throughput (medians)", speed_tables(args.out, args.runs, names)))
     if "quality" not in skip:
         sections.append(("Quality against bf16", quality_table()))
     if "logits" not in skip:

@@ -2,13 +2,18 @@
 
 Usage: .venv/bin/python bench/scripts/planner_validation.py [--runs 3] [--num-prompts 64] [--port 8031]
            [--output bench/results/planner_validation.json] [--serve-args "--max-num-seqs 64"]
+           [--calibrate-prompts N]
 
-1. Calibrate once: `tokenmill bench calibrate` on the embedded model (decode and prompt step costs).
+1. Start `tokenmill serve` and calibrate once through it: `tokenmill bench calibrate --server URL` drives the
+   server at a few concurrencies and fits the step costs (base, per decode row, per prompt token) to the steps
+   it served, so the model sees what serving costs the engine on this machine (the server's own process and
+   the load generator share the cores with it; offline calibration, the engine alone, ran 40-60% optimistic
+   on TPOT on 2 cores).
 2. Predict, from the calibration alone, the saturation request rate of `random-cpu` and, at 30%, 60% and 90% of
    it, the output throughput, TTFT p99 and TPOT p99 of each run: each run is `bench serve --seed S` (S unique,
    so no prompt repeats into the prefix cache), whose requests and Poisson arrival times the simulation replays
    exactly (they are a known input, not noise).
-3. Start `tokenmill serve` and measure the same with `tokenmill bench serve` --runs times per load; compare the
+3. Measure the same with `tokenmill bench serve` --runs times per load; compare the
    medians: prediction error per figure (targets: throughput within 15%, TTFT/TPOT p99 within 30%).
 """
 
@@ -48,22 +53,26 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--port", type=int, default=8031)
     parser.add_argument("--serve-args", default="")
+    parser.add_argument(
+        "--calibrate-prompts", type=int, default=None, help="requests the calibration sends (default: its own, 107)"
+    )
     parser.add_argument("--output", type=Path, default=ROOT / "bench/results/planner_validation.json")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="planner-validation-"))
     profile_path = work / "profile.json"
     engine = shlex.split(args.serve_args)
-    start = time.perf_counter()
-    subprocess.run(
-        [TOKENMILL, "bench", "calibrate", "--workload", WORKLOAD, "--output-json", str(profile_path), *engine],
-        check=True,
-    )
-    calibrate_s = time.perf_counter() - start
-    profile = load_profile(profile_path)
-    _, sat_rate = saturation_rate(profile.costs, profile.lengths * 8)  # a long run: the rate the engine sustains
     predicted: dict[float, list[dict[str, float]]] = {load: [] for load in LOADS}
     measured: dict[float, list[dict[str, float]]] = {load: [] for load in LOADS}
     with Server(args.port, engine, work / "serve.log") as server:
+        start = time.perf_counter()
+        calibrate = [TOKENMILL, "bench", "calibrate", "--server", server.url, "--workload", WORKLOAD]
+        if args.calibrate_prompts is not None:
+            calibrate += ["--num-prompts", str(args.calibrate_prompts)]
+        subprocess.run([*calibrate, "--output-json", str(profile_path), *engine], check=True)
+        calibrate_s = time.perf_counter() - start
+        profile = load_profile(profile_path)
+        _, sat_rate = saturation_rate(profile.costs, profile.lengths * 8)  # a long run: what the engine sustains
+        print(f"calibrated through the server in {calibrate_s:.0f} s; predicted saturation {sat_rate:.2f} req/s")
         for run in range(args.runs):
             for i, load in enumerate(LOADS):
                 # A seed per run and load: a repeated prompt would hit the server's prefix cache.

@@ -1,19 +1,22 @@
 """int4 weights in whole models: every linear layer and the head swapped, logits against the same model
 run in fp32 with the int4-dequantized weights (the only difference left is the int8 quantization of
-the activations), greedy agreement, and the fused decode stack against the layer-by-layer path."""
+the activations), greedy agreement, and the fused decode stack against the layer-by-layer path (also
+with the other grouped kinds GGUF files bring: 8 bits, float32 params, groups of 16)."""
 
 from __future__ import annotations
 
+from itertools import cycle
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from tests.kernels.grouped_weights import rounded_grouped
 from tests.tiny_models import make_tiny_model, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.ops import packed_gemm
-from tokenmill.quant import Int4Linear
+from tokenmill.quant import GroupedLinear, Int4Linear, swap_linears
 
 pytestmark = pytest.mark.skipif(not packed_gemm.available(), reason="the C++ packed GEMM could not be built here")
 
@@ -119,6 +122,46 @@ def test_fused_decode_with_int4_layers_matches_layer_by_layer(
     assert stack is not None  # the stack ran
     if head_dim == 32 and fused.engine.runner.backend.serves_int8_cache(16, 2, 32):  # type: ignore[attr-defined]
         assert stack.one_region  # the int4 GEMMs ran inside the step's one parallel region
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for g_step, w_step in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            for token, entry in w_step.items():
+                assert g_step[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
+
+
+# Q6_K's kind, Q4_K's, an 8-bit layer with minimums (a fused layer promoted to 8 bits), Q8_0's
+GGUF_LIKE_KINDS = [
+    (8, torch.float32, False, 16),
+    (4, torch.float32, True, 32),
+    (8, torch.float32, True, 16),
+    (8, torch.float16, False, 32),
+]
+
+
+def grouped_llm(folder: Path, **kwargs: object) -> LLM:
+    """The float32 model with its linear layers (qkv, o, gate_up, down in turn) and head rounded into
+    the GGUF-like kinds, cycling through them."""
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=16, **kwargs)
+    kinds = cycle(GGUF_LIKE_KINDS)
+    swap_linears(
+        llm.engine.runner.model,
+        lambda w, bias, _: GroupedLinear(rounded_grouped(w, *next(kinds)), w.shape[1], bias, kernel="cpu"),
+    )
+    return llm
+
+
+def test_fused_decode_with_8_bit_and_float32_param_layers_matches_layer_by_layer(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path / "llama", "llama", head_dim=32)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+    prompts = PROMPTS[:5]
+    fused, eager = grouped_llm(folder), grouped_llm(folder, enforce_eager=True)
+    layer = fused.engine.runner.model.layers[0]
+    assert [layer.self_attn.qkv_proj.bits, layer.self_attn.o_proj.bits] == [8, 4]
+    fused.engine.runner.fused_decode._stack = None  # bound again, to the swapped layers, on the next step
+    assert fused.engine.runner.fused_decode_off_reason is None
+    got = fused.generate(prompts, params, use_tqdm=False)
+    want = eager.generate(prompts, params, use_tqdm=False)
+    assert fused.engine.runner.fused_decode._stack is not None  # the stack ran
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         for g_step, w_step in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):

@@ -1,7 +1,8 @@
-"""The 4-bit GEMM (ops/csrc/packed_int4.h; packed_gemm_avx512.h's tile_q4 with AVX-512 VNNI) under
+"""The 4-bit GEMM (ops/csrc/packed_int4.h; packed_gemm_avx512.h's tile_grouped with AVX-512 VNNI) under
 Int4Linear, against the dequantized weights times the activations as the kernel quantizes them
 (int8 groups of 32 on every instruction set). The AVX2 build reruns this file. Quantization and
-packing: tests/unit/test_int4_quant.py; whole models: tests/e2e/test_int4_e2e.py."""
+packing: tests/unit/test_int4_quant.py; the other grouped kinds (8 bits, float32 params, groups of
+16): tests/kernels/test_grouped_kernels.py; whole models: tests/e2e/test_int4_e2e.py."""
 
 from __future__ import annotations
 
@@ -10,20 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from tests.kernels.avx2_rerun import avx2_rerun_test
+from tests.kernels.grouped_weights import activations_as_seen
 from tokenmill.ops import packed_gemm
 from tokenmill.quant import Int4Linear
 
 pytestmark = pytest.mark.skipif(not packed_gemm.available(), reason="the C++ packed GEMM could not be built here")
-
-
-def activations_as_seen(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel's integer dot products see it: int8 groups of 32 values along K, each group's
-    step max|group| / 127, rounded to nearest even (the kernel's float32 arithmetic)."""
-    num_rows, k = x.shape
-    groups = F.pad(x, (0, (-k) % 32)).view(num_rows, -1, 32)  # [M, G, 32]
-    amax = groups.abs().amax(dim=2, keepdim=True)
-    q = torch.round(groups * (127 / amax)).nan_to_num()
-    return (q * (amax / 127)).reshape(num_rows, -1)[:, :k]
 
 
 def reference(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:

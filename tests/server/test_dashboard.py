@@ -11,8 +11,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import RunningServer, run_server
+from tokenmill.bench.calibrate_server import calibrate_server, served_model
+from tokenmill.bench.datasets import BenchRequest
+from tokenmill.metrics.step_metrics import STEP_KINDS as KINDS
+from tokenmill.planner.step_fit import StepSample, fit_step_costs
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.dashboard.samples import sample_key
+from tokenmill.worker.model_runner import kv_cache_bytes_per_block
 
 SETTINGS = ServerConfig(slo_ttft_ms=250, slo_itl_ms=50, cost_per_hour=2.0)
 SECRET = "a prompt nobody may see on the dashboard"
@@ -66,7 +71,7 @@ def test_data_gives_the_same_numbers_as_metrics(dash_server: RunningServer) -> N
     with dash_server.client() as client:
         data = client.get("/dashboard/data").json()
     text = metrics_text_samples(dash_server)
-    sampled = ("cpu_busy_cores", "resident_memory", "throughput", "cost_per_million", "gpu_")  # move on their own
+    sampled = ("cpu_busy_cores", "resident_memory", "throughput", "cost_per_million", "gpu_", "memory_bandwidth")
     stable = [k for k in text if not any(s in k for s in sampled)]
     assert stable and {k: data["metrics"][k] for k in stable} == {k: text[k] for k in stable}
     assert data["metrics"]['tokenmill:generation_tokens_total{model_name="tiny-chat"}'] >= 18
@@ -95,6 +100,8 @@ def test_points_carry_every_panel_figure(dash_server: RunningServer) -> None:
         "e2e_p99",
         "waiting",
         "cpu_busy_cores",
+        "memory_bandwidth_bytes_per_s",
+        "memory_bandwidth_peak_bytes_per_s",
         "errors_per_s",
         "replicas",
         "cost_per_million",
@@ -109,6 +116,60 @@ def test_points_carry_every_panel_figure(dash_server: RunningServer) -> None:
     with dash_server.client() as client:
         newer = client.get("/dashboard/data", params={"since": point["t"]}).json()["points"]
     assert all(p["t"] > point["t"] for p in newer)
+
+
+def step_totals(server: RunningServer) -> dict[str, float]:
+    """Steps, decode rows and prompt tokens summed over the kinds of step, and the bytes they read."""
+    text = metrics_text_samples(server)
+    names = {
+        "steps": "engine_step_seconds_count",
+        "rows": "engine_step_decode_rows_total",
+        "tokens": "engine_step_prefill_tokens_total",
+    }
+    totals = {
+        k: sum(text[f'tokenmill:{n}{{kind="{kind}",model_name="tiny-chat"}}'] for kind in KINDS)
+        for k, n in names.items()
+    }
+    return totals | {"bytes": text['tokenmill:engine_step_bytes_read_total{model_name="tiny-chat"}']}
+
+
+def one_request(server: RunningServer, prompt_len: int, max_tokens: int) -> dict[str, float]:
+    """What one request alone added to the step totals."""
+    before = step_totals(server)
+    with server.client() as client:
+        body = {"prompt": list(range(100, 100 + prompt_len)), "max_tokens": max_tokens, "ignore_eos": True}
+        assert client.post("/v1/completions", json=body).status_code == 200
+    server.wait_idle()
+    return {k: v - before[k] for k, v in step_totals(server).items()}
+
+
+def test_steps_are_counted_by_shape_and_read_the_weights_plus_the_kv_context(dash_server: RunningServer) -> None:
+    # 5 prompt tokens in one prefill step (it samples the first token), then 3 decode steps of one row.
+    a = one_request(dash_server, 5, 4)
+    assert (a["steps"], a["rows"], a["tokens"]) == (4, 3, 5)
+    b = one_request(dash_server, 9, 2)
+    assert (b["steps"], b["rows"], b["tokens"]) == (2, 1, 9)
+    # Each step reads the weights (W) and its requests' context from the KV cache (K bytes per token):
+    # a reads 5 + 6 + 7 + 8 tokens of context, b 9 + 10.
+    config = dash_server.engine.config
+    kv_per_token = kv_cache_bytes_per_block(config) // config.cache.block_size
+    weights_a = (a["bytes"] - 26 * kv_per_token) / 4
+    weights_b = (b["bytes"] - 19 * kv_per_token) / 2
+    assert weights_a == weights_b > 0
+
+
+def test_calibrating_through_the_server_fits_its_step_counters(dash_server: RunningServer) -> None:
+    requests = [BenchRequest(list(range(200 + i, 220 + i)), 6) for i in range(8)]
+    measured = calibrate_server(dash_server.url, served_model(dash_server.url, None), requests, max_num_seqs=4)
+    assert [w["concurrency"] for w in measured["windows"]] == [1, 4]  # the concurrencies up to max_num_seqs
+    assert [w["requests"] for w in measured["windows"]] == [3, 5]  # each request once: the second window is short
+    samples = [StepSample(**s) for w in measured["windows"] for s in w["steps"]]
+    # 8 requests of 20 prompt tokens and 6 output tokens: 5 decode rows each after the prefill's first token.
+    assert sum(s.prefill_tokens for s in samples) == 8 * 20
+    assert sum(s.decode_rows for s in samples) == 8 * 5
+    costs = measured["costs"]
+    assert costs["decode_base_s"] > 0 and min(costs.values()) >= 0
+    assert costs == fit_step_costs(samples)
 
 
 def test_freed_prompt_blocks_count_as_cached_not_free(dash_server: RunningServer) -> None:

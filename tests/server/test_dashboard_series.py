@@ -1,12 +1,15 @@
 """The dashboard's arithmetic, by hand: histogram quantiles as Prometheus computes them, bucket deltas,
-and the error types a response maps to."""
+the error types a response maps to, and the memory bandwidth the step loop draws (panel 7)."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from tokenmill.metrics.bandwidth import BandwidthGauges, load_measured_bandwidth, save_measured_bandwidth
 from tokenmill.server.dashboard.errors import error_type
 from tokenmill.server.dashboard.samples import bucket_delta, per_bucket, quantile
 
@@ -55,3 +58,34 @@ def test_bucket_delta_and_per_bucket_counts() -> None:
 )
 def test_error_types(status: int, code: str | None, kind: str | None) -> None:
     assert error_type(status, code) == kind
+
+
+def test_bandwidth_draw_is_the_bytes_read_per_second_against_the_measured_peak(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    registry = CollectorRegistry()
+    gauges = BandwidthGauges(registry, "m", peak_gb_s=20.0)
+    clock = iter([100.0, 100.5])
+    monkeypatch.setattr("tokenmill.metrics.bandwidth.time.monotonic", lambda: next(clock))
+    gauges.sample(1e9)
+    gauges.sample(1e9 + 4e9)  # 4 GB in half a second
+    value = registry.get_sample_value
+    assert value("tokenmill:memory_bandwidth_bytes_per_s", {"model_name": "m"}) == 8e9
+    assert value("tokenmill:memory_bandwidth_peak_bytes_per_s", {"model_name": "m"}) == 20e9
+    assert value("tokenmill:memory_bandwidth_utilization", {"model_name": "m"}) == pytest.approx(0.4)
+
+
+def test_without_a_measured_peak_there_is_no_utilization_series() -> None:
+    registry = CollectorRegistry()
+    BandwidthGauges(registry, "m", peak_gb_s=None).sample(5e9)
+    assert registry.get_sample_value("tokenmill:memory_bandwidth_utilization", {"model_name": "m"}) is None
+    assert registry.get_sample_value("tokenmill:memory_bandwidth_bytes_per_s", {"model_name": "m"}) == 0.0
+
+
+def test_info_bandwidth_measurement_is_kept_for_later_servers(tmp_path: Path) -> None:
+    path = tmp_path / "memory_bandwidth.json"
+    assert load_measured_bandwidth(path) is None
+    save_measured_bandwidth(17.5, path)
+    assert load_measured_bandwidth(path) == 17.5
+    path.write_text("not json")
+    assert load_measured_bandwidth(path) is None

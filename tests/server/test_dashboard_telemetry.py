@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.server.conftest import run_server
+from tokenmill.log_format import LOG_FORMAT_ENV
 from tokenmill.metrics.logs import JsonFormatter, use_json_logs
 from tokenmill.server.config import ServerConfig
 
@@ -39,7 +40,10 @@ def test_json_log_lines_are_one_object_each_with_the_exception() -> None:
     assert "\n" not in line and "RuntimeError: boom" in json.loads(line)["exception"]
 
 
-def test_use_json_logs_routes_uvicorn_through_the_json_handler(capfd: pytest.CaptureFixture[str]) -> None:
+def test_use_json_logs_routes_uvicorn_through_the_json_handler(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(LOG_FORMAT_ENV, "text")  # use_json_logs sets it for child processes; restored after
     root = logging.getLogger()
     saved = root.handlers[:], root.level
     try:

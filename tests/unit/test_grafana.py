@@ -40,3 +40,12 @@ def test_exported_names_carry_prometheus_suffixes() -> None:
     names = grafana.exported_names()
     assert {"tokenmill:generation_tokens_total", "tokenmill:batch_size_bucket", "tokenmill:kv_cache_blocks"} <= names
     assert "tokenmill:generation_tokens" not in names
+
+
+def test_device_panel_shows_the_memory_bandwidth_the_steps_draw() -> None:
+    panel = next(p for p in grafana.build()["panels"] if p["title"].startswith("7 "))
+    exprs = " ".join(t["expr"] for t in panel["targets"])
+    drawn, used = "tokenmill:engine_step_bytes_read_total", "tokenmill:memory_bandwidth_utilization"
+    assert drawn in exprs and used in exprs
+    # exported whether or not this machine's bandwidth was measured, so the check passes everywhere
+    assert {drawn, used} <= grafana.exported_names()

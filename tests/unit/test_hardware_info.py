@@ -46,8 +46,8 @@ def test_isa_flags_agree_with_the_kernel_build() -> None:
     assert hardware_info.gather().cpu_isa_setting == build.cpu_isa()
 
 
-def test_auto_dtype_is_what_the_loader_picks_here() -> None:
-    assert hardware_info.kernel_paths(hardware_info.isa_flags()).auto_dtype == resolve_dtype("auto", "cpu")
+def test_auto_dtype_is_what_the_loader_picks_here_for_a_bf16_checkpoint() -> None:
+    assert hardware_info.kernel_paths(hardware_info.isa_flags()).auto_dtype == resolve_dtype("auto", "cpu", "bfloat16")
 
 
 def _pretend(monkeypatch: pytest.MonkeyPatch, avx512_bf16: bool, avx2: bool) -> dict[str, bool]:
@@ -70,7 +70,7 @@ def test_an_avx512_bf16_cpu_is_described_with_its_dot_product_paths(monkeypatch:
 def test_an_avx2_cpu_is_described_with_its_widening_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     paths = hardware_info.kernel_paths(_pretend(monkeypatch, avx512_bf16=False, avx2=True))
     assert paths.build == "avx2"
-    assert paths.auto_dtype == "float32"
+    assert paths.auto_dtype == "bfloat16"  # bf16 weights widened in registers
     assert paths.bf16_weights == "widened to float32 in the GEMM (AVX2 FMA)"
     assert "AVX2 int16" in paths.int8_weights
     assert "portable C++ paged decode" in paths.attention

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from tokenmill.quant import Int4Linear, QuantOptions, check_quantization
-from tokenmill.quant.int4 import dequantize_groups, quantize_groups
-from tokenmill.quant.panels import pack_int4, unpack_int4
+from tokenmill.quant.grouped import dequantize_grouped
+from tokenmill.quant.int4 import quantize_groups
+from tokenmill.quant.panels import pack_grouped, unpack_grouped
 
 
 def half_steps(scales: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
@@ -42,7 +43,7 @@ def test_weights_round_to_their_nearest_level_on_a_fit_no_worse_than_the_plain_g
     q = quantize_groups(w, group_size, zero_point)
     assert q.levels.dtype == torch.uint8 and int(q.levels.max()) <= 15
     assert q.scales.shape == (24, 256 // group_size) and q.scales.dtype == torch.float16
-    err = (dequantize_groups(q, 256) - w).abs()
+    err = (dequantize_grouped(q, 256) - w).abs()
     inner = (q.levels > 0) & (q.levels < 15)  # not clamped at either end of the grid
     assert (err[inner] <= half_steps(q.scales, group_size, 256)[inner] * 1.001 + 1e-6).all()
     assert float((err**2).sum()) <= absmax_grid_error(w, group_size, zero_point) * 1.01
@@ -52,15 +53,15 @@ def test_symmetric_groups_on_a_grid_are_stored_exactly() -> None:
     w = torch.tensor([[0.5, -2.0, 1.0, 0.25] * 8])  # one group of 32, every value a multiple of 0.25
     q = quantize_groups(w, 32, zero_point=False)
     assert q.scales.item() == 0.25 and q.levels[0, 1].item() == 0  # -2 = 0.25 * (0 - 8)
-    assert torch.equal(dequantize_groups(q, 32), w)
+    assert torch.equal(dequantize_grouped(q, 32), w)
 
 
 def test_zero_point_groups_on_a_grid_are_stored_exactly_and_beat_symmetric_on_one_sign() -> None:
     w = (1.0 + 0.5 * torch.arange(16.0).repeat(2))[None]  # 1 .. 8.5: all positive, Q4_1's grid
     q = quantize_groups(w, 32, zero_point=True)
     assert q.minimums is not None and q.minimums.item() == 1.0 and q.scales.item() == 0.5
-    assert torch.equal(dequantize_groups(q, 32), w)
-    symmetric = dequantize_groups(quantize_groups(w, 32, zero_point=False), 32)
+    assert torch.equal(dequantize_grouped(q, 32), w)
+    symmetric = dequantize_grouped(quantize_groups(w, 32, zero_point=False), 32)
     assert (symmetric - w).abs().max() > 0.1
 
 
@@ -69,21 +70,22 @@ def test_a_group_padded_past_in_features_quantizes_as_its_real_weights_alone(zer
     torch.manual_seed(1)
     w = torch.randn(5, 72) + 3.0  # 72 = 32 + 32 + 8: the last group is 8 weights and 24 of padding
     q = quantize_groups(w, 32, zero_point)
-    assert q.levels.shape == (5, 96) and dequantize_groups(q, 72).shape == (5, 72)
+    assert q.levels.shape == (5, 96) and dequantize_grouped(q, 72).shape == (5, 72)
     # the same 8 weights, repeated to fill a whole group, have the same fit as the padded group
     alone = quantize_groups(w[:, 64:].repeat(1, 4), 32, zero_point)
     torch.testing.assert_close(q.scales[:, 2], alone.scales[:, 0], rtol=2e-3, atol=0)
-    torch.testing.assert_close(dequantize_groups(q, 72)[:, 64:], dequantize_groups(alone, 8), rtol=0, atol=1e-2)
+    torch.testing.assert_close(dequantize_grouped(q, 72)[:, 64:], dequantize_grouped(alone, 8), rtol=0, atol=1e-2)
 
 
 @pytest.mark.parametrize("zero_point", [False, True])
 def test_packing_round_trips_and_places_two_levels_a_byte(zero_point: bool) -> None:
     torch.manual_seed(2)
     q = quantize_groups(torch.randn(20, 64), 32, zero_point)  # 2 panels, the second partial
-    packed, params = pack_int4(*q)
+    packed, params = pack_grouped(*q)
     assert packed.shape == (2, 64, 8) and packed.dtype == torch.uint8
     assert params.shape == ((2, 2, 2, 16) if zero_point else (2, 2, 16))
-    levels, scales, minimums = unpack_int4(packed, params, 20)
+    levels, scales, minimums, bits = unpack_grouped(packed, params, 20)
+    assert bits == 4
     assert torch.equal(levels, q.levels) and torch.equal(scales, q.scales)
     assert (minimums is None) == (q.minimums is None)
     # The documented layout: channel c, k = 32 a + 16 h + 4 j + i sits in byte 256 a + 64 j + 4 c + i

@@ -15,11 +15,23 @@ def test_bf16_on_cpu_is_bf16_weights_with_float32_activations(monkeypatch: pytes
     monkeypatch.setattr(model_source, "cpu_has_bf16", lambda: False)
     assert resolve_precision("bfloat16", "cpu") == ("float32", "bfloat16")
     assert resolve_precision("auto", "cpu") == ("float32", None)  # no bf16 instructions: exact fp32
+    # a 16-bit checkpoint: its own precision, widened in the GEMM's registers (half fp32's bytes)
+    assert resolve_precision("auto", "cpu", "bfloat16") == ("float32", "bfloat16")
+    assert resolve_precision("auto", "cpu", "float16") == ("float32", "bfloat16")
+    assert resolve_precision("auto", "cpu", "float32") == ("float32", None)
     assert resolve_precision("float32", "cpu") == ("float32", None)
     assert resolve_precision("bfloat16", "cuda") == ("bfloat16", None)
     monkeypatch.setattr(model_source, "cpu_has_bf16", lambda: True)
     assert resolve_precision("bfloat16", "cpu") == ("float32", "bfloat16")
     assert resolve_precision("auto", "cpu") == ("float32", "bfloat16")
+    assert resolve_precision("auto", "cpu", "float32") == ("float32", "bfloat16")  # bf16 arithmetic: bf16
+
+
+def test_checkpoint_dtype_reads_either_config_key() -> None:
+    from transformers import LlamaConfig
+
+    assert model_source.checkpoint_dtype(LlamaConfig(torch_dtype="float16")) == "float16"
+    assert model_source.checkpoint_dtype(LlamaConfig()) is None
 
 
 def test_kv_cache_dtype_auto_is_bf16_under_narrow_weights_on_cpu() -> None:

@@ -6,6 +6,12 @@
 It times decode-only steps at a few batch sizes (contexts as long as the workload's average) and prompt-only
 steps, fits `seconds = base + per_row x rows + per_prefill_token x tokens` (tokenmill/planner/step_model.py)
 and writes it with the engine's batch limits and the workload's (prompt, output) lengths.
+
+    tokenmill bench calibrate --server http://127.0.0.1:8000 --output-json profile.json
+
+measures the same costs through a live server instead (calibrate_server.py): the steps as they are served,
+slowed by whatever shares the machine with the engine. Pass the server's --max-num-seqs and
+--max-num-batched-tokens when they are not the defaults; the profile records them.
 """
 
 from __future__ import annotations
@@ -45,17 +51,23 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--workload", default="random-cpu", choices=[w for w in WORKLOADS if w != "copy-edit"])
     parser.add_argument("--num-prompts", type=int, default=None, help="override the workload's request count")
     parser.add_argument("--output-json", type=Path, required=True, help="where to write the profile")
+    parser.add_argument("--server", default=None, help="calibrate through this live server (base URL, no /v1)")
+    parser.add_argument("--api-key", default=None, help="with --server: sent as a Bearer token")
     parser.set_defaults(func=cmd_calibrate)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    from tokenmill import LLM
-    from tokenmill.engine.engine_args import engine_kwargs
+    if args.server is not None:
+        profile = _calibrate_through_server(args)
+    else:
+        from tokenmill import LLM
+        from tokenmill.engine.engine_args import engine_kwargs
 
-    llm = LLM(args.model, **engine_kwargs(args))
-    requests = make_workload(args.workload, llm.config.model.vocab_size, seed=args.seed, num_requests=args.num_prompts)
-    profile = calibrate(llm, requests)
-    profile |= {"command": shlex.join(sys.argv), "workload": args.workload, "model": llm.config.model.model}
+        llm = LLM(args.model, **engine_kwargs(args))
+        vocab = llm.config.model.vocab_size
+        requests = make_workload(args.workload, vocab, seed=args.seed, num_requests=args.num_prompts)
+        profile = calibrate(llm, requests) | {"model": llm.config.model.model}
+    profile |= {"command": shlex.join(sys.argv), "workload": args.workload}
     args.output_json.parent.mkdir(parents=True, exist_ok=True)
     args.output_json.write_text(json.dumps(profile, indent=2) + "\n")
     costs = profile["step_costs"]
@@ -63,6 +75,25 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         f"step = {costs['decode_base_s'] * 1e3:.2f} ms + {costs['decode_per_row_s'] * 1e3:.3f} ms x decode rows"
         f" + {costs['prefill_per_token_s'] * 1e6:.1f} us x prompt tokens  ->  {args.output_json}"
     )
+
+
+def _calibrate_through_server(args: argparse.Namespace) -> dict[str, Any]:
+    from tokenmill.bench.calibrate_server import calibrate_server, served_model, window_sizes
+
+    base_url = args.server.rstrip("/")
+    model = served_model(base_url, args.api_key)
+    count = args.num_prompts or sum(n for _, n in window_sizes(args.max_num_seqs))
+    # A seed of its own: the windows' prompts must not be cached for the runs the profile predicts.
+    requests = make_workload(args.workload, MAX_TOKEN_ID, seed=args.seed + 10_000, num_requests=count)
+    measured = calibrate_server(base_url, model, requests, args.max_num_seqs, args.api_key)
+    limits = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    return {
+        "step_costs": measured["costs"] | limits,
+        "server": base_url,
+        "server_windows": measured["windows"],
+        "lengths": [[len(r.prompt_token_ids), r.output_len] for r in requests],
+        "model": model,
+    }
 
 
 def calibrate(llm: LLM, requests: list[BenchRequest]) -> dict[str, Any]:

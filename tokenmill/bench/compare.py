@@ -29,6 +29,8 @@ from tokenmill.bench.roofline import MachineRates, ModelShape, Roofline, compute
 
 TOKENMILL = "tokenmill"
 DTYPES = ("float32", "bfloat16", "int8", "q4_0", "q4_1")  # q4_*: tokenmill int4 (groups of 32)
+FLOAT_DTYPES = ("float32", "bfloat16")
+PEER_DTYPE_CHOICES = ("same", "best")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class CompareOptions:
     peers: list[str] = field(default_factory=list)
     model: str | None = None  # HF folder, preset name, or None for the embedded model
     dtype: str = "auto"  # auto | float32 | bfloat16 | int8
+    peer_dtype: str = "same"  # "same": peers run `dtype`; "best": each float dtype a peer has, its fastest kept
     num_prompts: int | None = None
     max_prompt_len: int | None = None
     max_output_len: int | None = None
@@ -94,12 +97,13 @@ class CompareReport:
 
 
 def resolve_compare_dtype(dtype: str) -> str:
-    """auto means what tokenmill would pick on this machine (float32 on a CPU without native bf16)."""
+    """auto means what tokenmill picks on this machine for the compared (16-bit) checkpoint: bf16 weights,
+    with bf16 arithmetic where the CPU has it, widened to float32 in registers elsewhere."""
     from tokenmill.loader.model_source import resolve_dtype
 
     if dtype in ("int8", "q4_0", "q4_1"):
         return dtype
-    resolved = resolve_dtype(dtype, "cpu")
+    resolved = resolve_dtype(dtype, "cpu", "bfloat16")
     if resolved not in DTYPES:
         raise ValueError(f"compare runs {', '.join(DTYPES)} (or auto), not {dtype!r}.")
     return resolved
@@ -197,6 +201,9 @@ def format_table(report: CompareReport) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(header) - 1)]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
     lines.insert(1, "-" * (sum(widths) + 2 * len(widths) + 4))
+    isa = [f"{e.engine}: {e.settings['isa']}" for e in report.engines if e.status == "ok" and e.settings.get("isa")]
+    if isa:
+        lines.append("instruction-set paths: " + " | ".join(isa))
     tm = next((e for e in report.engines if e.engine == TOKENMILL and e.status == "ok"), None)
     if tm:
         for e in report.engines:
@@ -252,6 +259,8 @@ def run_compare(opts: CompareOptions, log: Callable[[str], None] = print) -> Com
 
     if opts.repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {opts.repeat}.")
+    if opts.peer_dtype not in PEER_DTYPE_CHOICES:
+        raise ValueError(f"peer_dtype must be one of {PEER_DTYPE_CHOICES}, not {opts.peer_dtype!r}.")
     unknown = [p for p in opts.peers if p not in PEERS]
     if unknown:
         raise ValueError(f"unknown peer(s) {unknown}; peers: {', '.join(PEERS)}.")
@@ -318,6 +327,15 @@ def _run_engine(
     spec = PEERS[name]
     if not is_set_up(name):
         return EngineSummary(name, "skipped", note=not_set_up_note(name))
+    if opts.peer_dtype == "best" and base.dtype in FLOAT_DTYPES:
+        # Each engine at the setting its users would pick on this CPU (vLLM's CPU backend, for one, is
+        # fastest in float32 where the CPU lacks bf16 arithmetic): every float dtype it runs, the fastest kept.
+        tried = [
+            _run_engine(name, replace(base, dtype=d), replace(opts, peer_dtype="same"), expected, log)
+            for d in FLOAT_DTYPES
+            if d in spec.dtypes
+        ]
+        return best_dtype(tried, [d for d in FLOAT_DTYPES if d in spec.dtypes])
     if base.dtype not in spec.dtypes:
         note = f"{name} has no {base.dtype} here (it runs {', '.join(spec.dtypes)})"
         return EngineSummary(name, "skipped", note=note)
@@ -333,3 +351,15 @@ def _run_engine(
         name, venv_python(root), spec.driver, request, env=spec.driver_env(opts.threads), timeout_s=opts.timeout_s
     )
     return summarize(result, expected)
+
+
+def best_dtype(tried: list[EngineSummary], dtypes: list[str]) -> EngineSummary:
+    """The fastest of one engine's runs at several dtypes (`tried[i]` ran `dtypes[i]`), noting the others."""
+    ok = [(s, d) for s, d in zip(tried, dtypes) if s.status == "ok"]
+    if not ok:
+        return tried[0]
+    best, dtype = max(ok, key=lambda sd: sd[0].output_tok_s)
+    others = ", ".join(
+        f"{d}: {s.output_tok_s:.1f}" if s.status == "ok" else f"{d}: {s.status}" for s, d in zip(tried, dtypes)
+    )
+    return replace(best, note="; ".join(x for x in (f"best dtype {dtype} ({others} output tok/s)", best.note) if x))

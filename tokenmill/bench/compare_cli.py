@@ -67,6 +67,13 @@ def add_compare_parser(subparsers: argparse._SubParsersAction) -> None:
         default="auto",
         help="auto | float32 | bfloat16 | int8 (q8_0 / int8 peers) | q4_0 | q4_1 (tokenmill int4, llama.cpp's formats)",
     )
+    parser.add_argument(
+        "--peer-dtype",
+        default="same",
+        choices=["same", "best"],
+        help="same: peers run --dtype; best: each peer runs every float dtype it has (float32, bfloat16) and "
+        "its fastest is reported (each engine at the setting its users would choose on this CPU)",
+    )
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--max-prompt-len", type=int, default=None)
     parser.add_argument("--max-output-len", type=int, default=None)
@@ -103,6 +110,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
         peers=peers,
         model=args.model,
         dtype=args.dtype,
+        peer_dtype=args.peer_dtype,
         num_prompts=args.num_prompts,
         max_prompt_len=args.max_prompt_len,
         max_output_len=args.max_output_len,

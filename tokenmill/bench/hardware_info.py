@@ -5,7 +5,8 @@
     tokenmill info --json          # the same as one JSON object
 
 Nothing here builds a C++ kernel: the paths follow from the CPU flags and TOKENMILL_CPU_ISA, the same
-answers tokenmill/ops/build.py gives the loader."""
+answers tokenmill/ops/build.py gives the loader. A bandwidth measurement is kept in tokenmill's cache: servers
+started later export the step loop's draw as a share of it (tokenmill/metrics/bandwidth.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class KernelPaths:
     """The CPU paths tokenmill takes here, in words (README, "Which CPU paths run where")."""
 
     build: str  # "avx512", "avx2" or "scalar": the instruction set the compiled kernels use
-    auto_dtype: str
+    auto_dtype: str  # what dtype="auto" picks for a 16-bit (bf16/fp16) checkpoint
     bf16_weights: str
     int8_weights: str
     int4_weights: str
@@ -95,7 +96,7 @@ def kernel_paths(isa: dict[str, bool]) -> KernelPaths:
     if avx512:
         return KernelPaths(
             build="avx512",
-            auto_dtype=resolve_dtype("auto", "cpu"),
+            auto_dtype=resolve_dtype("auto", "cpu", "bfloat16"),
             bf16_weights="AVX-512 BF16 dot products (vdpbf16ps), float32 sums",
             int8_weights="VNNI int8 dot products (vpdpbusd), activations in groups of 32",
             int4_weights="unpacked in registers, VNNI int8 dot products (vpdpbusd), activations in groups of 32",
@@ -105,7 +106,7 @@ def kernel_paths(isa: dict[str, bool]) -> KernelPaths:
     widened = "widened to float32 in the GEMM" + (" (AVX2 FMA)" if build.cpu_has_avx2() else " (scalar)")
     return KernelPaths(
         build="avx2" if build.cpu_has_avx2() else "scalar",
-        auto_dtype=resolve_dtype("auto", "cpu"),
+        auto_dtype=resolve_dtype("auto", "cpu", "bfloat16"),
         bf16_weights=widened,
         int8_weights="AVX2 int16 multiply-adds (vpmaddwd)" if build.cpu_has_avx2() else "scalar int8",
         int4_weights="AVX2 vpmaddubsw on activations in int8 groups of 32" if build.cpu_has_avx2() else "scalar int4",
@@ -189,7 +190,7 @@ def format_info(info: HardwareInfo) -> str:
         ("cores", f"{info.logical_cores} logical, {info.cpus_available} available, torch threads {info.torch_threads}"),
         ("instruction sets", " ".join(have) + (f" (no {' '.join(missing)})" if missing else "")),
         ("kernel build", f"{paths.build} (TOKENMILL_CPU_ISA={info.cpu_isa_setting})"),
-        ('dtype="auto"', paths.auto_dtype),
+        ('dtype="auto" (16-bit checkpoint)', paths.auto_dtype),
         ("bf16 weights", paths.bf16_weights),
         ("int8 weights", paths.int8_weights),
         ("int4 weights", paths.int4_weights),
@@ -212,13 +213,21 @@ def add_info_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--bandwidth", action="store_true", help="measure memory bandwidth (about a second)")
+    parser.add_argument(
+        "--bandwidth",
+        action="store_true",
+        help="measure memory bandwidth (about a second); the dashboard's panel 7 compares the step loop's draw with it",
+    )
     parser.set_defaults(func=cmd_info)
     return parser
 
 
 def cmd_info(args: argparse.Namespace) -> None:
     info = gather(bandwidth=args.bandwidth)
+    if info.memory_bandwidth_gb_s is not None:  # servers started later show their draw against it
+        from tokenmill.metrics.bandwidth import save_measured_bandwidth
+
+        save_measured_bandwidth(info.memory_bandwidth_gb_s)
     print(json.dumps(info.to_dict(), indent=2) if args.json else format_info(info))
 
 

@@ -2,6 +2,7 @@
 
     tokenmill bench quality --quantization int8
     tokenmill bench quality --quantization int4 --quantization-group-size 128
+    tokenmill bench quality --quantization gguf        # a .gguf's own blocks against its bf16 expansion
 
 Both numbers come from the engine itself (`LLM.generate`), so they measure what users get:
 greedy agreement over fixed prompts (the fraction of identical tokens up to each prompt's first
@@ -119,7 +120,7 @@ def run_quality(
         del llm
         gc.collect()
     (ref_tokens, ref_ppl), (q_tokens, q_ppl) = results
-    label = quantization
+    label = "gguf (the file's own blocks)" if quantization == "gguf" else quantization
     if options.get("quantization_group_size"):
         label += f" groups of {options['quantization_group_size']}"
     if options.get("quantization_zero_point"):
@@ -155,7 +156,8 @@ def add_quality_parser(subparsers: Any) -> None:
         description="Greedy agreement (20 prompts x 64 tokens, up to the first divergence and overall) and "
         "perplexity on a fixed English text, for the model with and without --quantization (default int8). "
         "--kv-cache-dtype applies to the quantized engine (the reference keeps auto): int8 measures "
-        "int8 weights with an int8 KV cache.",
+        "int8 weights with an int8 KV cache. --quantization gguf serves a .gguf model (default: the embedded "
+        "Q4_1) in its own blocks against its bf16 expansion.",
     )
     add_engine_args(parser)
     parser.set_defaults(quantization="int8")

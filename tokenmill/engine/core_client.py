@@ -43,6 +43,7 @@ from tokenmill.engine.messages import (
     Stop,
 )
 from tokenmill.loader.model_source import ModelSource
+from tokenmill.log_format import configure_child_logging
 from tokenmill.outputs import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
@@ -253,7 +254,7 @@ def _engine_process_env() -> Iterator[None]:
 def run_engine_process(config: EngineConfig, source: ModelSource, commands: Connection, events: Connection) -> None:
     """The engine process: load the model, send EngineReady, then run the core loop until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which stops us in order
-    logging.basicConfig(level=logging.WARNING, format="tokenmill engine process: %(levelname)s %(message)s")
+    configure_child_logging("engine", "tokenmill engine process: %(levelname)s %(message)s")
     try:
         core = EngineCore(config, source)
     except Exception as exc:

@@ -9,7 +9,7 @@ import logging
 from typing import Protocol
 
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.engine_core import EngineCore, StepShape
 from tokenmill.engine.messages import AbortRequests, AddRequests, Command, EngineDead, EngineSnapshot, EngineStep, Stop
 from tokenmill.outputs import EngineCoreOutput
 
@@ -107,6 +107,7 @@ class CoreLoop:
     def _snapshot(self, num_step_tokens: int) -> EngineSnapshot:
         sched, kv = self.core.scheduler, self.core.kv_cache
         spec = sched.stats.spec
+        shape = self.core.last_step if num_step_tokens else StepShape()  # no model step: no shape
         return EngineSnapshot(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
@@ -123,4 +124,8 @@ class CoreLoop:
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_pos=tuple(spec.accepted_per_pos),
             num_cached_free_blocks=kv.pool.num_cached_free_blocks,
+            step_seconds=shape.seconds,
+            step_decode_rows=shape.decode_rows,
+            step_prefill_tokens=shape.prefill_tokens,
+            step_bytes_read=shape.bytes_read,
         )

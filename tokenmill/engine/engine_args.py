@@ -21,7 +21,7 @@ from tokenmill.config import (
     resolve_kv_cache_dtype,
 )
 from tokenmill.loader.generation_config import describe_sampling_defaults, load_sampling_defaults
-from tokenmill.loader.model_source import ModelSource, resolve_precision, resolve_source
+from tokenmill.loader.model_source import ModelSource, checkpoint_dtype, resolve_precision, resolve_source
 from tokenmill.quant import QuantOptions, check_quantization
 
 logger = logging.getLogger(__name__)
@@ -32,9 +32,9 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
     if args.load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {args.load_format!r}; use one of {LOAD_FORMATS}.")
     check_quantization(args.quantization, QuantOptions(args.quantization_group_size, args.quantization_zero_point))
-    dtype, weight_dtype = resolve_precision(args.dtype, args.device)
-    source = resolve_source(args.model, args.load_format)
+    source = resolve_source(args.model, args.load_format, args.quantization)
     hf_config = source.hf_config
+    dtype, weight_dtype = resolve_precision(args.dtype, args.device, checkpoint_dtype(hf_config))
     model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
     # Sliding-window attention is not implemented: stay within the window, where it is exact.
     window = getattr(hf_config, "sliding_window", None)
@@ -42,7 +42,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
         model_max = min(model_max, int(window))
     max_model_len = min(args.max_model_len or model_max, model_max)
     model = ModelConfig(
-        model=str(source.folder or args.model),
+        model=str(source.gguf_file or source.folder or args.model),  # gguf: the worker reads the file itself
         hf_config=hf_config,
         dtype=dtype,
         weight_dtype=weight_dtype,
@@ -176,7 +176,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         default=d.quantization,
         help="int8: per-channel int8 weights; int4: 4-bit weights in groups (see --quantization-group-size); "
-        "quantized at load (default: none)",
+        "quantized at load; gguf: a .gguf model's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K layers as the file stores them "
+        "(default: none)",
     )
     parser.add_argument(
         "--quantization-group-size",

@@ -90,6 +90,32 @@ class DecodeStepStats:
     tokens: int = 0
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """The last model step: its wall time (schedule, model, sampling, bookkeeping), its decode rows (one
+    new token each, plus any drafts they verify) and the prompt tokens of its prefill chunks. The
+    planner's step-time model (tokenmill/planner/step_model.py) is fitted to these. `bytes_read`
+    estimates the memory traffic: the weights once per forward plus the KV cache attention reads."""
+
+    seconds: float = 0.0
+    decode_rows: int = 0
+    prefill_tokens: int = 0
+    bytes_read: int = 0
+
+
+def weight_bytes(model: object) -> int:
+    """Bytes of the model's parameters and buffers (each storage once: tied weights, packed views); 0 for
+    a model that is not an nn.Module."""
+    if not isinstance(model, torch.nn.Module):
+        return 0
+    seen: dict[int, int] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
 def grammar_compiler(config: EngineConfig, source: ModelSource) -> GrammarCompiler:
     """The engine's own grammar compiler: it loads the model's tokenizer when the first request with
     structured_outputs arrives (the front end that checked the request may be another process)."""
@@ -121,6 +147,11 @@ class EngineCore:
         self.num_idle_steps = 0  # consecutive steps that scheduled nothing while requests waited
         self.num_failed_steps = 0  # model steps that raised (each ended only its own requests)
         self.decode_stats = DecodeStepStats()
+        self.last_step = StepShape()
+        # Every rank reads its own shard of the weights and of the KV cache: count them all.
+        ranks = config.parallel.tensor_parallel_size
+        self.weight_bytes = weight_bytes(self.runner.model) * ranks
+        self.kv_bytes_per_token = self.executor.kv_cache_bytes_per_block() * ranks // config.cache.block_size
         logger.info(
             "engine ready: %d KV blocks of %d tokens (%s), dtype %s (weights %s), attention %s, fused decode %s, "
             "speculative %s",
@@ -156,6 +187,7 @@ class EngineCore:
         if self.dead_reason is not None:
             raise ExecutorDeadError(self.dead_reason)
         start = time.perf_counter()
+        self.last_step = StepShape()  # until this step's model run succeeds
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.num_idle_steps = self.num_idle_steps + 1 if self.has_unfinished() else 0
@@ -165,6 +197,9 @@ class EngineCore:
                 return []
         else:
             self.num_idle_steps = 0
+        # The KV tokens attention reads this step: each request's context up to its last new token.
+        requests = self.scheduler.requests
+        context = sum(requests[r].num_computed_tokens + n for r, n in sched.num_scheduled_tokens.items())
         try:
             runner_out = self.executor.execute(sched)
         except ExecutorDeadError as exc:  # the ranks cannot go on together: end every request and the engine
@@ -177,10 +212,16 @@ class EngineCore:
             logger.exception("model step failed; ending the %d requests in it", len(sched.num_scheduled_tokens))
             return self._fail(list(sched.num_scheduled_tokens), f"engine error during the model step: {exc!r}")
         outputs = self.scheduler.update_from_output(sched, runner_out)
+        seconds = time.perf_counter() - start
         num_drafts = sum(len(d) for d in sched.scheduled_spec_tokens.values())
-        if sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens) + num_drafts:  # decode rows only
+        # A row computing one token (beside its drafts) decodes; a longer one is a prompt chunk.
+        rows = sum(n - len(sched.scheduled_spec_tokens.get(r, ())) == 1 for r, n in sched.num_scheduled_tokens.items())
+        prefill_tokens = sched.total_num_scheduled_tokens - num_drafts - rows
+        bytes_read = self.weight_bytes + context * self.kv_bytes_per_token
+        self.last_step = StepShape(seconds, rows, prefill_tokens, bytes_read)
+        if prefill_tokens == 0:  # decode rows only
             self.decode_stats.steps += 1
-            self.decode_stats.seconds += time.perf_counter() - start
+            self.decode_stats.seconds += seconds
             self.decode_stats.tokens += sum(len(t) for t in runner_out.sampled_token_ids.values())
         return outputs
 

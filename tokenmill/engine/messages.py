@@ -63,6 +63,12 @@ class EngineSnapshot:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
     num_cached_free_blocks: int = 0  # free blocks that still hold a cached prefix
+    # This step's shape (engine_core.StepShape): wall seconds, decode rows, prompt tokens, estimated bytes
+    # read from memory; 0 without a step.
+    step_seconds: float = 0.0
+    step_decode_rows: int = 0
+    step_prefill_tokens: int = 0
+    step_bytes_read: int = 0
 
     def __post_init__(self) -> None:
         # The pipe (msgpack) hands back a list; keep the frozen snapshot's tuple.

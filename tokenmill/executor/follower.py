@@ -27,6 +27,7 @@ from tokenmill.executor.messages import (
 )
 from tokenmill.executor.rank_setup import seed_rank, setup_rank
 from tokenmill.loader.hf import load_tokenizer
+from tokenmill.log_format import configure_child_logging
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.llguidance_backend import LLGuidanceBackend
 from tokenmill.worker.model_runner import ModelRunner
@@ -45,7 +46,7 @@ def follower_main(
 ) -> None:
     """The process target of rank `rank`; reports ["ready"] or ["failed", why] on `conn` after loading."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which stops us in order
-    logging.basicConfig(level=logging.WARNING, format=f"tokenmill rank {rank}: %(levelname)s %(message)s")
+    configure_child_logging(f"rank {rank}", f"tokenmill rank {rank}: %(levelname)s %(message)s")
     try:
         setup_rank(config, rank, init_method, cores)
         runner = ModelRunner(config, folder, eos_token_ids, follower_grammars(config, eos_token_ids))

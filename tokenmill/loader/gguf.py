@@ -1,4 +1,5 @@
-"""Read Llama-architecture GGUF files as Hugging Face tensors, and write them out as a plain HF folder.
+"""Read GGUF files (Llama, Mistral, Qwen2, Qwen3; see gguf_arch.py) as Hugging Face tensors, and write
+them out as a plain HF folder.
 
 Usage::
 
@@ -13,7 +14,6 @@ Q5_1, Q8_0, the K-quants, ...), then cast to the requested dtype.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -28,26 +28,7 @@ from safetensors.torch import save_file
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
-_ARCH = "llama"
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
-_REQUIRED = object()  # sentinel: a metadata key without a default
+from tokenmill.loader.gguf_arch import expected_names, field, hf_name, read_arch, read_config, rope_heads
 
 # llama.cpp pre-tokenizers that split every digit on its own before the GPT-2 regex; transformers'
 # GGUF tokenizer conversion drops that split, so numbers would tokenize differently from training.
@@ -59,7 +40,7 @@ _LOAD_TIME_TOKENIZER_KEYS = ("is_local", "local_files_only")
 
 class GGUFCheckpoint(NamedTuple):
     state_dict: dict[str, torch.Tensor]  # HF names -> tensors in torch (row-major) layout
-    config: dict[str, Any]  # LlamaForCausalLM config.json contents
+    config: dict[str, Any]  # config.json contents (LlamaForCausalLM, Qwen2ForCausalLM, ...)
 
 
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -78,31 +59,36 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def load_gguf_state_dict(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
-    """Read a Llama GGUF file into HF-named tensors (dequantized, cast to ``dtype``) and a HF config."""
+    """Read a GGUF file into HF-named tensors (dequantized, cast to ``dtype``) and a HF config."""
     return _load_checkpoint(GGUFReader(Path(path)), dtype)
 
 
 def _load_checkpoint(reader: GGUFReader, dtype: torch.dtype) -> GGUFCheckpoint:
-    config = _read_config(reader)
+    arch = read_arch(reader)
+    config = read_config(reader, arch)
     state_dict: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
-        weight = _dequantize(tensor)
-        if name.endswith("q_proj.weight"):
-            weight = unpermute_rope_rows(weight, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            weight = unpermute_rope_rows(weight, config["num_key_value_heads"])
+        name = hf_name(tensor.name, arch)
+        weight = dequantize(tensor)
+        heads = rope_heads(name, arch, config)
+        if heads is not None:
+            weight = unpermute_rope_rows(weight, heads)
         state_dict[name] = weight.to(dtype)
-    _check_complete(state_dict, config)
+    missing = sorted(expected_names(arch, config) - state_dict.keys())
+    if missing:
+        raise ValueError(f"the GGUF file is missing {len(missing)} tensors, e.g. {missing[:3]}")
     return GGUFCheckpoint(state_dict, config)
 
 
-def gguf_to_hf_folder(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Convert a Llama GGUF file into a Hugging Face folder at ``out_dir`` and return its path.
+def gguf_to_hf_folder(
+    gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16, weights: bool = True
+) -> Path:
+    """Convert a GGUF file into a Hugging Face folder at ``out_dir`` and return its path.
 
-    Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json (with the GGUF chat
-    template) and generation_config.json into a temporary sibling folder, then renames it into place,
-    so ``out_dir`` either does not exist or is complete.
+    Writes config.json, model.safetensors (unless ``weights`` is False: a folder for a model whose
+    weights are read from the GGUF itself, ``--quantization gguf``), tokenizer.json, tokenizer_config.json
+    (with the GGUF chat template) and generation_config.json into a temporary sibling folder, then
+    renames it into place, so ``out_dir`` either does not exist or is complete.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
@@ -113,9 +99,12 @@ def gguf_to_hf_folder(gguf_path: str | Path, out_dir: str | Path, dtype: torch.d
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         reader = GGUFReader(gguf_path)  # parsing the metadata takes seconds: do it once
-        state_dict, config = _load_checkpoint(reader, dtype)
-        save_file(state_dict, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
-        del state_dict  # free the weights before the tokenizer conversion loads its own copy of the vocab
+        if weights:
+            state_dict, config = _load_checkpoint(reader, dtype)
+            save_file(state_dict, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
+            del state_dict  # free the weights before the tokenizer conversion loads its own copy of the vocab
+        else:
+            config = read_config(reader, read_arch(reader))
         _write_json(tmp_dir / "config.json", {**config, "dtype": str(dtype).removeprefix("torch.")})
         _write_json(tmp_dir / "generation_config.json", _generation_config(config))
         _write_tokenizer(reader, gguf_path, tmp_dir, config["max_position_embeddings"])
@@ -127,86 +116,8 @@ def gguf_to_hf_folder(gguf_path: str | Path, out_dir: str | Path, dtype: torch.d
     return out_dir
 
 
-def _field(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
-    field = reader.get_field(key)
-    if field is None:
-        if default is _REQUIRED:
-            raise ValueError(f"GGUF metadata is missing required key {key!r}")
-        return default
-    return field.contents()
-
-
-def _f32(value: float) -> float:
-    # GGUF stores float32; its shortest repr recovers the decimal the model was trained with (1e-05).
-    return float(str(np.float32(value)))
-
-
-def _read_config(reader: GGUFReader) -> dict[str, Any]:
-    arch = _field(reader, "general.architecture")
-    if arch != _ARCH:
-        raise ValueError(f"only '{_ARCH}' GGUF files are supported, this one is '{arch}'")
-    scaling = _field(reader, f"{_ARCH}.rope.scaling.type", "none")
-    if scaling != "none":
-        raise ValueError(f"RoPE scaling '{scaling}' is not supported by the GGUF loader")
-
-    tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
-        raise ValueError("GGUF file has no token_embd.weight tensor")
-    hidden = int(_field(reader, f"{_ARCH}.embedding_length"))
-    heads = int(_field(reader, f"{_ARCH}.attention.head_count"))
-    head_dim = int(_field(reader, f"{_ARCH}.attention.key_length", hidden // heads))
-    rope_dim = int(_field(reader, f"{_ARCH}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise ValueError(f"partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")
-    rope_theta = _f32(_field(reader, f"{_ARCH}.rope.freq_base", 10000.0))
-    eos_ids = _eos_ids(reader)
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": int(tensors["token_embd.weight"].shape[1]),  # ne order: [hidden, vocab]
-        "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, f"{_ARCH}.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, f"{_ARCH}.block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, f"{_ARCH}.attention.head_count_kv", heads)),
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": int(_field(reader, f"{_ARCH}.context_length")),
-        "rms_norm_eps": _f32(_field(reader, f"{_ARCH}.attention.layer_norm_rms_epsilon")),
-        "rope_theta": rope_theta,  # read by transformers < 5
-        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": _optional_int(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
-        "pad_token_id": _optional_int(reader, "tokenizer.ggml.padding_token_id"),
-    }
-
-
-def _optional_int(reader: GGUFReader, key: str) -> int | None:
-    field = reader.get_field(key)
-    return None if field is None else int(field.contents())
-
-
-def _eos_ids(reader: GGUFReader) -> list[int]:
-    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-    ids = [i for i in (_optional_int(reader, k) for k in keys) if i is not None]
-    if not ids:
-        raise ValueError("GGUF metadata has no tokenizer.ggml.eos_token_id; generation could never stop")
-    return list(dict.fromkeys(ids))
-
-
-def _hf_name(gguf_name: str) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    match = _BLOCK_RE.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _BLOCK_NAMES:
-        raise ValueError(f"unsupported tensor {gguf_name!r} in a Llama GGUF file")
-    return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}"
-
-
-def _dequantize(tensor: ReaderTensor) -> torch.Tensor:
+def dequantize(tensor: ReaderTensor) -> torch.Tensor:
+    """A GGUF tensor as float32 in torch layout [rows, columns], by gguf's own dequantization."""
     try:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as e:
@@ -222,25 +133,14 @@ def _dequantize(tensor: ReaderTensor) -> torch.Tensor:
     return torch.from_numpy(values.reshape(shape))
 
 
-def _check_complete(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    expected = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not config["tie_word_embeddings"]:
-        expected.add("lm_head.weight")
-    for layer in range(config["num_hidden_layers"]):
-        expected.update(f"model.layers.{layer}.{suffix}" for suffix in _BLOCK_NAMES.values())
-    missing = sorted(expected - state_dict.keys())
-    if missing:
-        raise ValueError(f"the GGUF file is missing {len(missing)} tensors, e.g. {missing[:3]}")
-
-
 def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
     keys = ("bos_token_id", "eos_token_id", "pad_token_id")
     return {key: config[key] for key in keys if config[key] is not None}
 
 
 def _write_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path, max_length: int) -> None:
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
-    chat_template = _field(reader, "tokenizer.chat_template", "")
+    pre = field(reader, "tokenizer.ggml.pre", "default")
+    chat_template = field(reader, "tokenizer.chat_template", "")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
     if not tokenizer.is_fast:
         raise ValueError(f"transformers built a slow tokenizer for {gguf_path}; a fast one is required")

@@ -106,6 +106,8 @@ def panels() -> list[Panel]:
                 (f"sum by (instance, process) ({t}cpu_busy_cores{_SEL})", "{{instance}} {{process}} CPU cores"),
                 (f"max {_BY} ({t}gpu_utilization_perc{_SEL})", "{{instance}} GPU busy"),
                 (f"max {_BY} ({t}gpu_memory_used_bytes{_SEL}) / 2^30", "{{instance}} GPU GiB"),
+                (f"{_rate(t + 'engine_step_bytes_read_total')} / 1e9", "{{instance}} memory GB/s (steps, estimated)"),
+                (f"max {_BY} ({t}memory_bandwidth_utilization{_SEL})", "{{instance}} memory bandwidth used (0-1)"),
             ],
         ),
         Panel(

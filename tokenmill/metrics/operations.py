@@ -1,6 +1,6 @@
 """The operator's metrics beyond vLLM's set: batch sizes, the KV block breakdown, errors by type, tokens
-by route, process CPU and memory, GPU use, SLO and cost settings. They share `ServerMetrics`' registry,
-so /metrics and the dashboard read one set of numbers.
+by route, process CPU and memory, the engine's steps and the memory bandwidth they draw, GPU use, SLO and
+cost settings. They share `ServerMetrics`' registry, so /metrics and the dashboard read one set of numbers.
 
 Step-driven ones are fed by `ServerMetrics` (on_step / on_tokens); process, device and cost gauges are
 refreshed by `sample()`, which the dashboard's sampler calls once a second."""
@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenmill.engine.async_engine import EngineSnapshot, RequestStream
+from tokenmill.metrics.bandwidth import BandwidthGauges, load_measured_bandwidth
 from tokenmill.metrics.process_stats import ProcessSampler, gpu_stats
+from tokenmill.metrics.step_metrics import StepMetrics
 from tokenmill.metrics.tracing import RequestTracer
 from tokenmill.outputs import RequestOutput
 
@@ -85,6 +87,8 @@ class OperationsMetrics:
         for route in ROUTES.values():
             for phase in ("prefill", "decode"):
                 self._route_tokens.labels(m, route, phase)
+        self.steps = StepMetrics(registry, m)
+        self.bandwidth = BandwidthGauges(registry, m, load_measured_bandwidth())
         self._processes = ProcessSampler()
         self._settings = OperatorSettings()
         self.num_blocks = 0  # the KV cache's size, set once the engine is known (set_engine)
@@ -108,6 +112,7 @@ class OperationsMetrics:
 
     # ------------------------------------------------------------------ fed by ServerMetrics
     def on_step(self, snapshot: EngineSnapshot) -> None:
+        self.steps.on_step(snapshot)
         if snapshot.num_running:
             self.batch_size.observe(snapshot.num_running)
         cached_free = min(snapshot.num_cached_free_blocks, snapshot.num_free_blocks)
@@ -136,6 +141,7 @@ class OperationsMetrics:
     def sample(self, total_tokens_per_s: float) -> None:
         """Refresh process, device and cost gauges; `total_tokens_per_s` is the last minute's throughput."""
         usage = self._processes.sample()
+        self.bandwidth.sample(self.steps.bytes_read_total)
         for name, cores in usage.cpu_busy_cores.items():
             self._cpu.labels(self.model_name, name).set(cores)
         for name, rss in usage.rss_bytes.items():

@@ -25,7 +25,7 @@ from tokenmill.distributed.parallel_state import tp_world_size
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.ops import build
 from tokenmill.quant.bf16 import Bf16Linear
-from tokenmill.quant.int4 import Int4Linear
+from tokenmill.quant.grouped import GroupedLinear
 from tokenmill.quant.int8 import Int8Linear
 
 
@@ -36,7 +36,7 @@ def _packed(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
         return layer.packed, layer.ones, layer.bias, layer.out_features
     if isinstance(layer, Int8Linear) and layer.kernel == "cpu" and layer.bias is not None:
         return layer.qweight, layer.scale, layer.bias, layer.out_features
-    if isinstance(layer, Int4Linear) and layer.kernel == "cpu":  # its float16 group scales in the scale's place
+    if isinstance(layer, GroupedLinear) and layer.kernel == "cpu":  # its group scales in the scale's place
         return layer.qweight, layer.params, layer.bias, layer.out_features
     if isinstance(layer, nn.Linear) and layer.weight.dtype == torch.float32:
         none = torch.empty(0)

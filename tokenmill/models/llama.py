@@ -23,8 +23,8 @@ from tokenmill.models.layers.linear import MergedLinear, QKVLinear, RowParallelL
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
-# checkpoint name piece -> (our fused parameter piece, shard id)
-_STACKED = [
+# checkpoint name piece -> (our fused parameter piece, shard id); the pieces of a fused layer in their row order
+STACKED_PARAMS: list[tuple[str, str, str | int]] = [
     ("q_proj", "qkv_proj", "q"),
     ("k_proj", "qkv_proj", "k"),
     ("v_proj", "qkv_proj", "v"),
@@ -168,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
             shard_id: str | int | None = None
-            for ckpt_piece, our_piece, sid in _STACKED:
+            for ckpt_piece, our_piece, sid in STACKED_PARAMS:
                 if f".{ckpt_piece}." in name:
                     name, shard_id = name.replace(ckpt_piece, our_piece), sid
                     break

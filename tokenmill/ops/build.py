@@ -6,7 +6,7 @@ Every source and header lives in tokenmill/ops/csrc/; each extension is one .cpp
     paged_decode: decode attention over the paged KV cache (pybind module, `load`)
     cpu_ops:      fused add+RMSNorm, SiLU-and-mul, in-place rotary, sampling (pybind module, `load`)
     decode_stack: every decoder layer of a decode step in one call (pybind module, `load`)
-    packed_gemm:  the GEMM over packed int8 / bf16 / int4 weights, registered as torch.ops.tokenmill_quant.*
+    packed_gemm:  the GEMM over packed int8 / bf16 / grouped weights, registered as torch.ops.tokenmill_quant.*
                   (no pybind11, `load_ops`)
 
 The kernels themselves are headers (ops/csrc/*.h), shared by these modules.

@@ -1,4 +1,4 @@
-"""The C++ GEMM over packed int8 / bf16 / int4 weights (csrc/packed_gemm.cpp, kernels in
+"""The C++ GEMM over packed int8 / bf16 / grouped 4- and 8-bit weights (csrc/packed_gemm.cpp, kernels in
 csrc/packed_gemm.h and csrc/packed_int4.h), built by build.py. It registers
 `torch.ops.tokenmill_quant.packed_linear` and `packed_linear_silu_mul`; the weight layouts it reads
 are quant/panels.py's."""
@@ -26,8 +26,8 @@ def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, out_features: int
 ) -> torch.Tensor:
     """x [M, K] float32 (contiguous) @ the packed weight -> [M, out_features] float32, times the
-    per-channel scale, plus bias (scale and bias padded to whole panels). int4 weights (uint8 packed)
-    take their float16 group scales and minimums (quant/panels.py pack_int4) as `scale`."""
+    per-channel scale, plus bias (scale and bias padded to whole panels). Grouped weights (uint8 packed)
+    take their float16 or float32 group scales and minimums (quant/panels.py pack_grouped) as `scale`."""
     return torch.ops.tokenmill_quant.packed_linear(x, packed, scale, bias, out_features)
 
 

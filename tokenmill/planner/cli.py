@@ -5,6 +5,7 @@
     tokenmill plan --peak-rps 20 --from-bench results.json --json
     tokenmill plan --peak-rps 200 --input-tokens 500 --output-tokens 200 --hardware H100 --spare 1
     tokenmill bench calibrate --output-json profile.json       # one short run: what a step costs here
+    tokenmill bench calibrate --server URL --output-json profile.json    # the same, as a live server serves
     tokenmill plan --peak-rps 5 --profile profile.json --ttft-slo-ms 2000 --tpot-slo-ms 100 --plot curve.png
 
 With --profile, the throughput per replica is the most a simulated replica sustains with its TTFT and TPOT

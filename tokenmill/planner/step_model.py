@@ -1,4 +1,5 @@
-"""What one engine step costs, measured by `tokenmill bench calibrate` and read back from its JSON profile.
+"""What one engine step costs, measured by `tokenmill bench calibrate` and read back from its JSON profile
+(offline: the engine alone; with --server: fitted to a live server's steps, step_fit.py).
 
 A step runs `rows` decode rows (one token each) and `prefill_tokens` prompt tokens; its wall time is modelled as
 

@@ -6,7 +6,12 @@
 `quantize_model` replaces every linear layer (fused qkv, o, gate/up, down) and the LM head with the
 method's module, built from the loaded float weights; with tied embeddings the embedding lookup stays
 in full precision and the head gets its own quantized copy. The weight loaders never see quantized
-tensors, so checkpoints stay plain bf16/fp32."""
+tensors, so checkpoints stay plain bf16/fp32.
+
+    LLM("model.Q4_K_M.gguf", quantization="gguf")   # the file's own blocks, repacked (quant/gguf.py)
+
+"gguf" is no swap: a .gguf file's quantized layers are built from its blocks before the float weights
+load (tokenmill/worker/gguf_native.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import torch
 from torch import nn
 
 from tokenmill.quant.bf16 import Bf16Linear
+from tokenmill.quant.grouped import GroupedLinear, GroupedWeight, dequantize_grouped
 from tokenmill.quant.int4 import DEFAULT_GROUP_SIZE, Int4Linear, check_group_size
 from tokenmill.quant.int8 import Int8Linear
 
@@ -86,7 +92,7 @@ def swap_linears(model: nn.Module, factory: QuantLinearFactory) -> nn.Module:
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         quantized = factory(linear.weight, linear.bias, bool(getattr(linear, "row_parallel", False)))
-        _keep_layout_attributes(linear, quantized)
+        keep_layout_attributes(linear, quantized)
         setattr(parent, child, quantized)
     if getattr(model, "lm_head", False) is None:  # tied: the head is the embedding's own copy
         embedding = getattr(model, "embed_tokens", None)
@@ -96,7 +102,7 @@ def swap_linears(model: nn.Module, factory: QuantLinearFactory) -> nn.Module:
     return model
 
 
-def _keep_layout_attributes(source: nn.Module, target: nn.Module) -> None:
+def keep_layout_attributes(source: nn.Module, target: nn.Module) -> None:
     """Copy the replaced layer's plain layout attributes (QKVLinear's q_size/kv_size, MergedLinear's
     offsets, ...) so model code that reads them works unchanged on the quantized module."""
     for key, value in vars(source).items():
@@ -123,15 +129,36 @@ def _int4(options: QuantOptions) -> QuantLinearFactory:
     )
 
 
+def _gguf(options: QuantOptions) -> QuantLinearFactory:
+    if options != QuantOptions():
+        raise ValueError(
+            "gguf serves a .gguf file's own blocks: --quantization-group-size and --quantization-zero-point "
+            "are int4's settings."
+        )
+
+    def refuse(weight: torch.Tensor, bias: torch.Tensor | None, row_parallel: bool) -> nn.Module:
+        raise ValueError(
+            "quantization 'gguf' serves the quantized blocks of a .gguf file as they are "
+            "(tokenmill/worker/gguf_native.py); it does not quantize float weights."
+        )
+
+    return refuse
+
+
 register_quant_method("int8", _int8)
 register_quant_method("int4", _int4)
+register_quant_method("gguf", _gguf)
 
 __all__ = [
     "Bf16Linear",
+    "GroupedLinear",
+    "GroupedWeight",
     "Int4Linear",
     "Int8Linear",
     "QuantOptions",
     "check_quantization",
+    "dequantize_grouped",
+    "keep_layout_attributes",
     "pack_bf16_weights",
     "quant_methods",
     "quantize_model",

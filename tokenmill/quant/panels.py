@@ -9,7 +9,8 @@
 - int8 k quads for AVX-512 VNNI: [P, K/4, 16, 4] stored as [P, K, 16] (K padded to whole groups of
   GROUP), each channel's weights for k..k+3 side by side and offset by 128 (stored bits = w ^ 0x80):
   the unsigned operand of vpdpbusd.
-- int4 (every instruction set): the int8 quads' order, two quads a byte, [P, K, 8] (pack_int4)."""
+- grouped 4-bit levels (every instruction set): the int8 quads' order, two quads a byte, [P, K, 8];
+  8-bit levels: the int8 quads unshifted, [P, K, 16] uint8 (pack_grouped)."""
 
 from __future__ import annotations
 
@@ -56,19 +57,26 @@ def unpack_pairs(packed: torch.Tensor, out_features: int, in_features: int) -> t
     return pairs.reshape(num_panels * PANEL, in_padded)[:out_features, :in_features]
 
 
+def _quads(q: torch.Tensor, in_padded: int) -> torch.Tensor:
+    """[out, in] -> [ceil(out / 16), in_padded, 16] holding [P, K/4, 16, 4]: k quads, channel by channel."""
+    panels = _panels(q, in_padded).view(-1, PANEL, in_padded // 4, 4)
+    return panels.permute(0, 2, 1, 3).reshape(-1, in_padded, PANEL)
+
+
+def _unquads(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    num_panels, in_padded, _ = packed.shape
+    quads = packed.view(num_panels, in_padded // 4, PANEL, 4).permute(0, 2, 1, 3)  # [P, 16, K/4, 4]
+    return quads.reshape(num_panels * PANEL, in_padded)[:out_features]
+
+
 def pack_quads(q: torch.Tensor) -> torch.Tensor:
     """[out, in] int8 -> [ceil(out / 16), in rounded up to GROUP, 16] int8 holding [P, K/4, 16, 4] of w + 128."""
-    in_padded = -(-q.shape[1] // GROUP) * GROUP
-    panels = _panels(q, in_padded).view(-1, PANEL, in_padded // 4, 4)
-    quads = panels.permute(0, 2, 1, 3).reshape(-1, in_padded, PANEL)
+    quads = _quads(q, -(-q.shape[1] // GROUP) * GROUP)
     return (quads.view(torch.uint8) ^ 0x80).view(torch.int8).contiguous()
 
 
 def unpack_quads(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    num_panels, in_padded, _ = packed.shape
-    q = (packed.view(torch.uint8) ^ 0x80).view(torch.int8)
-    quads = q.view(num_panels, in_padded // 4, PANEL, 4).permute(0, 2, 1, 3)  # [P, 16, K/4, 4]
-    return quads.reshape(num_panels * PANEL, in_padded)[:out_features, :in_features]
+    return _unquads((packed.view(torch.uint8) ^ 0x80).view(torch.int8), out_features)[:, :in_features]
 
 
 def pack_int8(q: torch.Tensor, quads: bool) -> torch.Tensor:
@@ -80,22 +88,27 @@ def unpack_int8(packed: torch.Tensor, out_features: int, in_features: int, quads
     return (unpack_quads if quads else unpack_pairs)(packed, out_features, in_features)
 
 
-def pack_int4(
-    levels: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor | None
+def pack_grouped(
+    levels: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor | None, bits: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """levels [out, KP] (0..15), scales and minimums [out, G] (quant/int4.py) -> (packed [P, KP, 8]
-    uint8, params [P, G, 16] or [P, G, 2, 16] float16), the 4-bit GEMM's layout
-    (ops/csrc/packed_int4.h): per panel and group of 32 k, four 64-byte lines, line j
-    holding each channel's levels for k 4j..4j+3 (low nibbles) and 16+4j..16+4j+3 (high nibbles),
-    channel by channel: the int8 k quads' order with two quads a byte. params: each group's 16
-    scales, then (with a zero point) its 16 minimums."""
+    """A grouped weight (quant/grouped.py: levels [out, KP], KP a multiple of 32, scales and minimums
+    [out, G]) -> (packed, params), the layout of the grouped GEMM (ops/csrc/packed_int4.h):
+    - 4 bits: [P, KP, 8] uint8; per panel and group of 32 k, four 64-byte lines, line j holding each
+      channel's levels for k 4j..4j+3 (low nibbles) and 16+4j..16+4j+3 (high nibbles), channel by
+      channel: the int8 k quads' order with two quads a byte;
+    - 8 bits: [P, KP, 16] uint8, the int8 k quads (pack_quads) of the levels as they are.
+    params [P, G, 16], or [P, G, 2, 16] with minimums, in the scales' dtype: each group's 16 scales,
+    then its 16 minimums."""
     out_features, in_padded = levels.shape
     pad = (-out_features) % PANEL
     num_panels = (out_features + pad) // PANEL
-    # [P, 16, A, half, j, i]: k = 32 a + 16 half + 4 j + i
-    q = F.pad(levels, (0, 0, 0, pad)).view(num_panels, PANEL, in_padded // 32, 2, 4, 4)
-    packed = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [P, 16, A, j, i]
-    packed = packed.permute(0, 2, 3, 1, 4).reshape(num_panels, in_padded, PANEL // 2).contiguous()
+    if bits == 8:
+        packed = _quads(levels, in_padded).contiguous()
+    else:
+        # [P, 16, A, half, j, i]: k = 32 a + 16 half + 4 j + i
+        q = F.pad(levels, (0, 0, 0, pad)).view(num_panels, PANEL, in_padded // 32, 2, 4, 4)
+        lines = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [P, 16, A, j, i]
+        packed = lines.permute(0, 2, 3, 1, 4).reshape(num_panels, in_padded, PANEL // 2).contiguous()
 
     def per_panel(t: torch.Tensor) -> torch.Tensor:  # [out, G] -> [P, G, 16]
         return F.pad(t, (0, 0, 0, pad)).view(num_panels, PANEL, -1).transpose(1, 2)
@@ -104,18 +117,22 @@ def pack_int4(
     return packed, params.contiguous()
 
 
-def unpack_int4(
+def unpack_grouped(
     packed: torch.Tensor, params: torch.Tensor, out_features: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """pack_int4's inverse: (levels [out, KP], scales [out, G], minimums [out, G] or None)."""
-    num_panels, in_padded, _ = packed.shape
-    lines = packed.view(num_panels, in_padded // 32, 4, PANEL, 4).permute(0, 3, 1, 2, 4)  # [P, 16, A, j, i]
-    q = torch.stack([lines & 0x0F, lines >> 4], dim=3)  # [P, 16, A, half, j, i]
-    levels = q.reshape(num_panels * PANEL, in_padded)[:out_features]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """pack_grouped's inverse: (levels, scales, minimums or None, bits); the bits are the packed
+    width's (8 bytes per k: 4 bits, 16: 8 bits)."""
+    num_panels, in_padded, width = packed.shape
+    if width == PANEL:
+        levels, bits = _unquads(packed, out_features), 8
+    else:
+        lines = packed.view(num_panels, in_padded // 32, 4, PANEL, 4).permute(0, 3, 1, 2, 4)  # [P, 16, A, j, i]
+        q = torch.stack([lines & 0x0F, lines >> 4], dim=3)  # [P, 16, A, half, j, i]
+        levels, bits = q.reshape(num_panels * PANEL, in_padded)[:out_features], 4
 
     def per_channel(t: torch.Tensor) -> torch.Tensor:  # [P, G, 16] -> [out, G]
         return t.transpose(1, 2).reshape(num_panels * PANEL, -1)[:out_features]
 
     if params.dim() == 4:
-        return levels, per_channel(params[:, :, 0]), per_channel(params[:, :, 1])
-    return levels, per_channel(params), None
+        return levels, per_channel(params[:, :, 0]), per_channel(params[:, :, 1]), bits
+    return levels, per_channel(params), None, bits

@@ -3,6 +3,7 @@ linear layers the CPU kernels run."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import cast
 
@@ -13,10 +14,12 @@ from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import ModelConfig
 from tokenmill.loader import hf
 from tokenmill.loader.dummy import init_dummy_weights
+from tokenmill.loader.gguf_weights import GGUFWeights
 from tokenmill.models.layers.rotary import RotaryEmbedding
 from tokenmill.models.registry import model_class
 from tokenmill.ops import hugepages, packed_gemm
-from tokenmill.quant import Bf16Linear, Int4Linear, Int8Linear, QuantOptions, pack_bf16_weights, quantize_model
+from tokenmill.quant import Bf16Linear, GroupedLinear, Int8Linear, QuantOptions, pack_bf16_weights, quantize_model
+from tokenmill.worker.gguf_native import attach_gguf_linears
 from tokenmill.worker.model_interface import LoadsWeights
 
 
@@ -25,7 +28,12 @@ def load_model(config: ModelConfig, folder: Path | None, backend: AttentionBacke
     cls = model_class(config.hf_config)
     with torch.device("meta"):
         model = cls(config.hf_config, backend, config.max_model_len)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    # --quantization gguf: the file's quantized layers are built from its blocks before anything is
+    # allocated, so their float expansion never is; the rest loads as float below.
+    gguf = GGUFWeights(config.model) if config.quantization == "gguf" else None
+    served_natively = attach_gguf_linears(model, gguf, device) if gguf is not None else set()
+    materialize(model, device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_buffers(torch.device(device))
@@ -33,13 +41,14 @@ def load_model(config: ModelConfig, folder: Path | None, backend: AttentionBacke
         init_dummy_weights(model, config.seed)
     else:
         # The registry hands out nn.Module classes; every one of them loads HF checkpoints.
-        loaded = cast(LoadsWeights, model).load_weights(hf.iterate_weights(folder))
+        weights = gguf.float_weights(skip=served_natively) if gguf is not None else hf.iterate_weights(folder)
+        loaded = cast(LoadsWeights, model).load_weights(weights)
         missing = {n for n, _ in model.named_parameters()} - loaded
         if missing:
             raise ValueError(f"the checkpoint in {folder} lacks {sorted(missing)[:5]} ...")
     if config.weight_dtype is not None:
         round_weights(model, getattr(torch, config.weight_dtype))
-    if config.quantization is not None:  # a module swap on the loaded float weights
+    if config.quantization not in (None, "gguf"):  # a module swap on the loaded float weights
         options = QuantOptions(config.quantization_group_size, config.quantization_zero_point)
         quantize_model(model, config.quantization, options)
     elif config.weight_dtype == "bfloat16" and device == "cpu":
@@ -50,13 +59,22 @@ def load_model(config: ModelConfig, folder: Path | None, backend: AttentionBacke
     return model.eval()
 
 
+def materialize(model: nn.Module, device: str) -> None:
+    """Allocate (uninitialised) the tensors still on the meta device; modules already built from a
+    checkpoint (attach_gguf_linears) keep theirs."""
+    for module in model.modules():
+        own = itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False))
+        if any(t.is_meta for t in own):
+            module.to_empty(device=device, recurse=False)
+
+
 def place_packed_weights(model: nn.Module) -> None:
     """Move the packed linear layers' tensors into one huge-page buffer (see tokenmill/ops/hugepages.py),
     in module order: the order a decode step reads them."""
     owners = [
         (module, name)
         for module in model.modules()
-        if isinstance(module, (Bf16Linear, Int8Linear, Int4Linear))
+        if isinstance(module, (Bf16Linear, Int8Linear, GroupedLinear))
         for name, buffer in module.named_buffers(recurse=False)
         if buffer.device.type == "cpu"
     ]

@@ -25,8 +25,8 @@
 
 namespace tokenmill {
 
-// Either packed (packed [P, K, 16] int8 or bf16, scale [P * 16], bias [P * 16], out_features; or int4:
-// packed [P, K, 8] uint8 with its float16 group params as scale; see packed_gemm.h) or dense float32
+// Either packed (packed [P, K, 16] int8 or bf16, scale [P * 16], bias [P * 16], out_features; or grouped:
+// packed [P, K, 8] or [P, K, 16] uint8 with its group params as scale; see packed_gemm.h) or dense float32
 // (weight [N, K], an empty tensor, bias [N] or empty, N).
 using PackedLinear = std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t>;
 
@@ -299,7 +299,7 @@ class DecodeStack {
     const at::Tensor& weight = std::get<0>(w);
     const int64_t KP = weight.size(1), G = KP / gemm::avx512::kGroup;
     constexpr int64_t kTile = gemm::avx512::kRows;
-    const bool q8 = weight.scalar_type() != at::kBFloat16;  // int8 and int4 weights take int8 groups
+    const bool q8 = weight.scalar_type() != at::kBFloat16;  // int8 and grouped weights take int8 groups
     for (int64_t m = m0; m < m1; m += q8 ? 1 : kTile) {
       if (q8)
         gemm::avx512::quantize_q8_row(x + m * K, K, KP, rows.values.data_ptr<int8_t>() + m * KP,
@@ -323,7 +323,7 @@ class DecodeStack {
     const at::Tensor& weight = std::get<0>(w);
     const int64_t P = weight.size(0), KP = weight.size(1), N = std::get<3>(w);
     const auto run = [&](const auto* wp, const void* x, const float* group_scales, const int32_t* group_offsets) {
-      auto pr = gemm::avx512::layer_problem(wp, P, KP, std::get<1>(w), std::get<2>(w), y, N, silu_mul);
+      auto pr = gemm::avx512::layer_problem(wp, P, KP, std::get<1>(w), std::get<2>(w), y, N, silu_mul, weight.size(2));
       pr.x = x;
       pr.group_scales = group_scales;
       pr.group_offsets = group_offsets;

@@ -16,7 +16,7 @@
 //   and from kDequantizeRows rows on (prefill) both kinds are dequantized for a dense float32 GEMM.
 // These are the AVX2 layouts and kernels; CPUs with AVX-512 BF16 and VNNI take packed_gemm_avx512.h
 // (bf16 in k pairs, int8 in k quads against int8 activation groups) at every row count.
-// 4-bit weights (uint8 panels, two levels a byte, float16 group scales): packed_int4.h.
+// Grouped weights (uint8 panels of 4- or 8-bit levels, float16 or float32 group scales): packed_int4.h.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -414,11 +414,11 @@ inline bool halves_of_whole_panels(int64_t P, int64_t N) { return N == P * kPane
 // whole panels: N == 16 P, P even) -> [M, N / 2], silu(gate) * up.
 // Throws unless packed ([P, KP, 16] int8 or bf16), scale and bias ([P * 16] float32) make a GEMM of
 // K in-features and N out-features (with silu_mul: [gate | up] halves of whole panels).
-// 4-bit weights (uint8 packed) take their float16 group scales (and minimums) as `scale`: int4::check.
+// Grouped weights (uint8 packed) take their group scales (and minimums) as `scale`: grouped::check.
 inline void check_packed(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& bias, int64_t K,
                          int64_t N, bool silu_mul) {
   if (packed.scalar_type() == at::kByte) {
-    int4::check(packed, scale, bias, K, N);
+    grouped::check(packed, scale, bias, K, N);
     TORCH_CHECK(!silu_mul || halves_of_whole_panels(packed.size(0), N),
                 "silu_mul needs [gate | up] halves of whole panels");
     return;
@@ -445,17 +445,18 @@ inline at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, c
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [M, K] float32");
   check_packed(packed, scale, bias, x.size(1), N, silu_mul);
   const int64_t P = packed.size(0), KP = packed.size(1);
-  const bool int8 = packed.scalar_type() == at::kChar, four_bit = packed.scalar_type() == at::kByte;
+  const bool int8 = packed.scalar_type() == at::kChar, grouped_levels = packed.scalar_type() == at::kByte;
 #ifdef TM_AVX512  // the activation in the GEMM's epilogue
-  if (four_bit) return avx512::linear(x, packed.data_ptr<uint8_t>(), P, KP, scale, bias, N, silu_mul);
+  if (grouped_levels)
+    return avx512::linear(x, packed.data_ptr<uint8_t>(), P, KP, scale, bias, N, silu_mul, packed.size(2));
   if (int8) return avx512::linear(x, packed.data_ptr<int8_t>(), P, KP, scale, bias, N, silu_mul);
   return avx512::linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, KP, scale, bias, N,
                         silu_mul);
 #else
   const at::Tensor y =
-      four_bit ? int4::linear(x, packed.data_ptr<uint8_t>(), P, KP, scale, bias, N)
-      : int8   ? linear(x, packed.data_ptr<int8_t>(), P, KP, scale, bias, N)
-               : linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, KP, scale, bias, N);
+      grouped_levels ? grouped::linear(x, packed, scale, bias, N)
+      : int8 ? linear(x, packed.data_ptr<int8_t>(), P, KP, scale, bias, N)
+             : linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, KP, scale, bias, N);
   if (!silu_mul) return y;
   return at::silu(y.narrow(1, 0, N / 2)).mul_(y.narrow(1, N / 2, N / 2));
 #endif

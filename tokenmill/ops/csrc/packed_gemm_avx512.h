@@ -13,8 +13,9 @@
 //   k quads ([P, K4/4, 16, 4], K4 = K rounded up to kGroup) and each group's sum starts at
 //   -128 * (the group's sum of quantized activations), which cancels the offset exactly. After each
 //   group the int32 sum is scaled by the group's activation scale into float32.
-// - 4-bit weights (packed_int4.h's layout): the int8 path's activation groups, and per line of 64
-//   bytes two vpdpbusd, one on the low nibbles, one on the high (tile_q4).
+// - grouped weights (packed_int4.h's layout): the int8 path's activation groups; 4-bit levels take
+//   per line of 64 bytes two vpdpbusd, one on the low nibbles, one on the high, 8-bit levels one
+//   (tile_grouped).
 // Every row count runs these tiles (prefill too): they beat widening the weights for a BLAS sgemm.
 #pragma once
 
@@ -283,87 +284,121 @@ inline void tile_q8(const int8_t* x, int64_t ldx, const float* scales, const int
   }
 }
 
-// ------------------------------------------------------------------------------- int4 weights
+// ------------------------------------------------------------------------------- grouped weights
+// 16 float16 or float32 params.
+inline __m512 load_params16(const uint8_t* p, int64_t param_bytes) {
+  if (param_bytes == 4) return _mm512_loadu_ps(p);
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // NP panels x MR rows over all activation groups, as tile_q8 (the same rows: offsets are -128 *
-// the group's sum of values). params[p]: panel p's float16 scales (and minimums) of each weight
-// group (`per` activation groups).
-template <int NP, int MR, bool kMinimums>
-inline void tile_q4(const int8_t* x, int64_t ldx, const float* scales, const int32_t* offsets, int64_t ldg,
-                    const uint8_t* const (&panels)[NP], const uint16_t* const (&params)[NP], int64_t per,
-                    int64_t groups, Fetch fetch, __m512 (&out)[NP][MR]) {
-  constexpr int kLines = int4::kLines;  // lines per panel per group
+// the group's sum of values). params[p]: panel p's scales (and minimums) of each weight group (`per`
+// activation groups). kHalves (groups of 16): each activation group is two runs of 16 k with their
+// own weight group, dot products and activation sums; else one run of 32 k.
+template <int NP, int MR, int kBits, bool kMinimums, bool kHalves>
+inline void tile_grouped(const int8_t* x, int64_t ldx, const float* scales, const int32_t* offsets, int64_t ldg,
+                         const uint8_t* const (&panels)[NP], const uint8_t* const (&params)[NP],
+                         const grouped::Geometry& geo, int64_t groups, Fetch fetch, __m512 (&out)[NP][MR]) {
+  constexpr int kLines = grouped::lines_per_group(kBits), kRuns = kHalves ? 2 : 1;
+  // 4 bits: line j holds k 4j.. (low nibbles, run 0) and 16 + 4j.. (high nibbles, run 1); 8 bits: k 4j..
+  constexpr int kRunLines = kBits == 8 ? kLines / kRuns : kLines;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 4
   for (int p = 0; p < NP; ++p)
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) out[p][i] = _mm512_setzero_ps();
-  __m512 d[NP], mn[NP];
+  __m512 d[kRuns][NP], mn[kRuns][NP];
   int64_t next = fetch.ahead ? fetch.slice : groups * kLines;  // the next line to request
-  const uint16_t* pp[NP];                                      // the next weight group's scales (and minimums)
+  const uint8_t* pp[NP];                                       // the next weight group's scales (and minimums)
 #pragma GCC unroll 4
   for (int p = 0; p < NP; ++p) pp[p] = params[p];
+  const int64_t step = geo.group_params * geo.param_bytes;
   int64_t left = 0;  // activation groups left in the current weight group (a counter: no division)
   for (int64_t g = 0; g < groups; ++g) {
     if (left-- == 0) {
-      left = per - 1;
+      left = geo.per - 1;
 #pragma GCC unroll 4
       for (int p = 0; p < NP; ++p) {
-        d[p] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pp[p])));
-        if constexpr (kMinimums)
-          mn[p] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pp[p] + kPanel)));
-        pp[p] += (kMinimums ? 2 : 1) * kPanel;
+#pragma GCC unroll 2
+        for (int r = 0; r < kRuns; ++r) {
+          d[r][p] = load_params16(pp[p], geo.param_bytes);
+          if constexpr (kMinimums) mn[r][p] = load_params16(pp[p] + kPanel * geo.param_bytes, geo.param_bytes);
+          pp[p] += step;
+        }
       }
     }
     const uint8_t* w[NP];
 #pragma GCC unroll 4
-    for (int p = 0; p < NP; ++p) w[p] = panels[p] + g * int4::kGroupBytes;
+    for (int p = 0; p < NP; ++p) w[p] = panels[p] + g * grouped::group_bytes(kBits);
     const int8_t* xg = x + g * kGroup;
     unsigned requests = 0;  // this group's lines to request (tile_q8)
     for (; next < (g + 1) * kLines; next += fetch.slices) requests |= 1u << (next - g * kLines);
-    __m512i acc[NP][MR];
+#pragma GCC unroll 2
+    for (int r = 0; r < kRuns; ++r) {
+      int32_t sums[MR];  // this run's activation sums
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {  // without minimums the sum starts at -8 * sum(x): the levels' offset
-      const __m512i start = kMinimums ? _mm512_setzero_si512() : _mm512_set1_epi32(offsets[i * ldg + g] / 16);
-#pragma GCC unroll 4
-      for (int p = 0; p < NP; ++p) acc[p][i] = start;
-    }
-#pragma GCC unroll 4
-    for (int j = 0; j < kLines; ++j) {
-      if (requests & (1u << j)) {
-#pragma GCC unroll 4
-        for (int p = 0; p < NP; ++p)
-          _mm_prefetch(reinterpret_cast<const char*>(w[p] + fetch.ahead + j * 64), _MM_HINT_T1);
-      }
-#pragma GCC unroll 4
-      for (int p = 0; p < NP; ++p) {
-        const __m512i v = _mm512_loadu_si512(w[p] + j * 64);
-        const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-#pragma GCC unroll 8
-        for (int i = 0; i < MR; ++i) {
-          acc[p][i] = _mm512_dpbusd_epi32(acc[p][i], lo, broadcast_pair(xg + i * ldx + 4 * j));
-          acc[p][i] = _mm512_dpbusd_epi32(acc[p][i], hi, broadcast_pair(xg + i * ldx + 16 + 4 * j));
+      for (int i = 0; i < MR; ++i) {
+        sums[i] = offsets[i * ldg + g] / -128;
+        if constexpr (kHalves) {
+          const int32_t first = grouped::sum16(xg + i * ldx);
+          sums[i] = r == 0 ? first : sums[i] - first;
         }
       }
-    }
+      __m512i acc[NP][MR];
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m512 s = _mm512_set1_ps(scales[i * ldg + g]);
-      if constexpr (kMinimums) {
-        const __m512 sum = _mm512_set1_ps(static_cast<float>(offsets[i * ldg + g] / -128));
+      for (int i = 0; i < MR;
+           ++i) {  // without minimums the sum starts at -2 ** (bits - 1) * sum(x): the levels' offset
+        const __m512i start = kMinimums ? _mm512_setzero_si512() : _mm512_set1_epi32(-(1 << (kBits - 1)) * sums[i]);
 #pragma GCC unroll 4
-        for (int p = 0; p < NP; ++p)
-          out[p][i] = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[p][i]), d[p], _mm512_mul_ps(mn[p], sum)),
-                                      s, out[p][i]);
-      } else {
+        for (int p = 0; p < NP; ++p) acc[p][i] = start;
+      }
+#pragma GCC unroll 8
+      for (int l = 0; l < kRunLines; ++l) {
+        const int j = kBits == 8 ? r * kRunLines + l : l;
+        if ((kBits == 8 || r == 0) && (requests & (1u << j))) {  // a 4-bit line's first read requests it
 #pragma GCC unroll 4
-        for (int p = 0; p < NP; ++p)
-          out[p][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[p][i]), _mm512_mul_ps(d[p], s), out[p][i]);
+          for (int p = 0; p < NP; ++p)
+            _mm_prefetch(reinterpret_cast<const char*>(w[p] + fetch.ahead + j * 64), _MM_HINT_T1);
+        }
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; ++p) {
+          const __m512i v = _mm512_loadu_si512(w[p] + j * 64);
+          if constexpr (kBits == 8) {
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; ++i)
+              acc[p][i] = _mm512_dpbusd_epi32(acc[p][i], v, broadcast_pair(xg + i * ldx + 4 * j));
+          } else {
+            const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; ++i) {
+              if (!kHalves || r == 0)
+                acc[p][i] = _mm512_dpbusd_epi32(acc[p][i], lo, broadcast_pair(xg + i * ldx + 4 * j));
+              if (!kHalves || r == 1)
+                acc[p][i] = _mm512_dpbusd_epi32(acc[p][i], hi, broadcast_pair(xg + i * ldx + 16 + 4 * j));
+            }
+          }
+        }
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const __m512 s = _mm512_set1_ps(scales[i * ldg + g]);
+        if constexpr (kMinimums) {
+          const __m512 sum = _mm512_set1_ps(static_cast<float>(sums[i]));
+#pragma GCC unroll 4
+          for (int p = 0; p < NP; ++p)
+            out[p][i] = _mm512_fmadd_ps(
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[p][i]), d[r][p], _mm512_mul_ps(mn[r][p], sum)), s, out[p][i]);
+        } else {
+#pragma GCC unroll 4
+          for (int p = 0; p < NP; ++p)
+            out[p][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[p][i]), _mm512_mul_ps(d[r][p], s), out[p][i]);
+        }
       }
     }
   }
 }
 
-// acc * scale + bias, or acc + bias where the weights carry no per-channel scale (int4: null).
+// acc * scale + bias, or acc + bias where the weights carry no per-channel scale (grouped: null).
 inline __m512 scaled(__m512 acc, const float* scale, const float* bias) {
   return scale ? _mm512_fmadd_ps(acc, _mm512_loadu_ps(scale), _mm512_loadu_ps(bias))
                : _mm512_add_ps(acc, _mm512_loadu_ps(bias));
@@ -385,16 +420,16 @@ inline void store_silu_mul(__m512 gate, __m512 up, float* y) {
 
 // ------------------------------------------------------------------------------- the GEMM
 // What a call needs besides the tiles: the prepared activation rows and the output.
-// W: uint16_t (bf16), int8_t (int8) or uint8_t (int4, two levels a byte).
+// W: uint16_t (bf16), int8_t (int8) or uint8_t (grouped: 4-bit levels two a byte, or 8-bit).
 template <typename W>
 struct Problem {
   const W* weights;              // packed panels
-  int64_t panel_stride;          // elements per panel (KP times 16; int4: KP times 8 bytes)
-  int64_t KP;                    // x's features padded as the panels' k (bf16: even; int8, int4: whole groups)
+  int64_t panel_stride;          // elements per panel (KP times 16; 4-bit grouped: KP times 8 bytes)
+  int64_t KP;                    // x's features padded as the panels' k (bf16: even; int8, grouped: whole groups)
   const void* x;                 // bf16 row tiles (uint32_t pairs, see bf16_tiles) or int8 rows, [M, KP]
-  const float* group_scales;     // int8, int4: [M, KP / kGroup]
-  const int32_t* group_offsets;  // int8, int4: [M, KP / kGroup]
-  const float* scale;            // per channel; null for int4 (its scales are per group: params)
+  const float* group_scales;     // int8, grouped: [M, KP / kGroup]
+  const int32_t* group_offsets;  // int8, grouped: [M, KP / kGroup]
+  const float* scale;            // per channel; null for grouped weights (their scales are per group: params)
   const float* bias;
   float* y;  // [M, ldy]
   int64_t N;
@@ -403,32 +438,32 @@ struct Problem {
   // q + P / 2 and y[:, 16 q : 16 q + 16] = silu(gate) * up, the MLP's activation in the GEMM's
   // epilogue (no [M, N] intermediate written and read back). 0: a plain GEMM.
   int64_t up_panels;
-  // int4: float16 scales (and minimums) per panel and weight group (packed_int4.h), their layout.
-  const uint16_t* params = nullptr;
-  int4::Geometry geometry{};
+  // grouped: scales (and minimums) per panel and weight group (packed_int4.h), their layout.
+  const uint8_t* params = nullptr;
+  grouped::Geometry geometry{};
 };
 
-// The Problem of a packed layer: wp ([P, KP, 16] bf16 or int8, [P, KP, 8] int4), its scale
-// (int4: its float16 params) and bias; the caller fills in the rows (x, group_scales, group_offsets).
+// The Problem of a packed layer: wp ([P, KP, 16] bf16 or int8, [P, KP, width] grouped levels), its
+// scale (grouped: its params) and bias; the caller fills in the rows (x, group_scales, group_offsets).
 template <typename W>
 inline Problem<W> layer_problem(const W* wp, int64_t P, int64_t KP, const at::Tensor& scale, const at::Tensor& bias,
-                                float* y, int64_t N, bool silu_mul) {
-  constexpr bool kInt4 = std::is_same_v<W, uint8_t>;
+                                float* y, int64_t N, bool silu_mul, int64_t width = kPanel) {
+  constexpr bool kGrouped = std::is_same_v<W, uint8_t>;
   Problem<W> pr{wp,
-                KP * (kInt4 ? kPanel / 2 : kPanel),
+                KP * (kGrouped ? width : kPanel),
                 KP,
                 nullptr,
                 nullptr,
                 nullptr,
-                kInt4 ? nullptr : scale.data_ptr<float>(),
+                kGrouped ? nullptr : scale.data_ptr<float>(),
                 bias.data_ptr<float>(),
                 y,
                 N,
                 silu_mul ? N / 2 : N,
                 silu_mul ? P / 2 : 0};
-  if constexpr (kInt4) {
-    pr.params = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
-    pr.geometry = int4::geometry(scale, KP);
+  if constexpr (kGrouped) {
+    pr.params = static_cast<const uint8_t*>(scale.data_ptr());
+    pr.geometry = grouped::geometry(scale, KP, width);
   }
   return pr;
 }
@@ -449,15 +484,14 @@ inline void run_tile(const Problem<W>& pr, int64_t m, const int64_t (&panel)[NP]
     tile_bf16<NP, MR>(static_cast<const uint32_t*>(pr.x) + m * pr.KP / 2, panels, pr.KP, fetch, out);
   } else if constexpr (std::is_same_v<W, uint8_t>) {
     const int64_t G = pr.KP / kGroup;
-    const uint16_t* params[NP];
-    for (int p = 0; p < NP; ++p) params[p] = pr.params + panel[p] * pr.geometry.params_stride;
+    const grouped::Geometry& geo = pr.geometry;
+    const uint8_t* params[NP];
+    for (int p = 0; p < NP; ++p) params[p] = pr.params + panel[p] * geo.params_stride * geo.param_bytes;
     const int8_t* x = static_cast<const int8_t*>(pr.x) + m * pr.KP;
-    if (pr.geometry.minimums)
-      tile_q4<NP, MR, true>(x, pr.KP, pr.group_scales + m * G, pr.group_offsets + m * G, G, panels, params,
-                            pr.geometry.per, G, fetch, out);
-    else
-      tile_q4<NP, MR, false>(x, pr.KP, pr.group_scales + m * G, pr.group_offsets + m * G, G, panels, params,
-                             pr.geometry.per, G, fetch, out);
+    grouped::with_kind(geo, [&](auto bits, auto minimums, auto halves) {
+      tile_grouped<NP, MR, decltype(bits)::value, decltype(minimums)::value, decltype(halves)::value>(
+          x, pr.KP, pr.group_scales + m * G, pr.group_offsets + m * G, G, panels, params, geo, G, fetch, out);
+    });
   } else {
     const int64_t G = pr.KP / kGroup;
     tile_q8<NP, MR>(static_cast<const int8_t*>(pr.x) + m * pr.KP, pr.KP, pr.group_scales + m * G,
@@ -603,19 +637,19 @@ class alignas(64) Share {
 };
 
 // x: [M, K] float32 -> [M, N] float32; wp: P panels, [P, KP, 16]: bf16 k pairs (KP = K rounded up to
-// even) or int8 k quads offset by 128 (KP = K rounded up to kGroup); or [P, KP, 8] int4 (packed_int4.h,
-// `scale` its params). With silu_mul (N == 16 P, P even,
+// even) or int8 k quads offset by 128 (KP = K rounded up to kGroup); or [P, KP, width] grouped levels
+// (packed_int4.h, `scale` its params). With silu_mul (N == 16 P, P even,
 // checked by packed_linear): -> [M, N / 2], silu of the first half of the outputs times the second
 // (see Problem).
 template <typename W>
 at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const at::Tensor& scale,
-                  const at::Tensor& bias, int64_t N, bool silu_mul = false) {
+                  const at::Tensor& bias, int64_t N, bool silu_mul = false, int64_t width = kPanel) {
   const int64_t M = x.size(0), K = x.size(1), ldy = silu_mul ? N / 2 : N;
   at::Tensor y = at::empty({M, ldy}, x.options());
   Buffer<uint32_t> xb;
   Q8Rows xq;
   const float* xp = x.data_ptr<float>();
-  Problem<W> pr = layer_problem(wp, P, KP, scale, bias, y.data_ptr<float>(), N, silu_mul);
+  Problem<W> pr = layer_problem(wp, P, KP, scale, bias, y.data_ptr<float>(), N, silu_mul, width);
   if constexpr (std::is_same_v<W, uint16_t>) {
     xb = bf16_tiles(xp, M, K, KP);
     pr.x = xb.get();

@@ -78,6 +78,8 @@ class History:
         point["cpu_busy_cores"] = now.by(f"{P}cpu_busy_cores", "process")
         point["gpu_utilization"] = now.total(f"{P}gpu_utilization_perc")
         point["gpu_memory_bytes"] = now.total(f"{P}gpu_memory_used_bytes")
+        point["memory_bandwidth_bytes_per_s"] = now.total(f"{P}memory_bandwidth_bytes_per_s")
+        point["memory_bandwidth_peak_bytes_per_s"] = now.total(f"{P}memory_bandwidth_peak_bytes_per_s")
         for key, name in LATENCIES.items():
             window = bucket_delta(now.buckets(name), oldest.samples.buckets(name))
             for q in (0.5, 0.9, 0.99):

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the package path for type checkers; at run time the driver'
         serve,
         static_batches,
         stopwatch,
+        torch_cpu_capability,
     )
 else:
     from peer_protocol import (
@@ -32,6 +33,7 @@ else:
         serve,
         static_batches,
         stopwatch,
+        torch_cpu_capability,
     )
 
 DEFAULT_BATCH_SIZES = (8, 16, 32)
@@ -104,6 +106,7 @@ def drive(request: PeerRequest) -> PeerResult:
         runs=runs,
         settings={
             "dtype": request.dtype,
+            "isa": torch_cpu_capability(),
             "batch_sizes": batch_sizes,
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),

@@ -185,6 +185,7 @@ def drive(request: PeerRequest) -> PeerResult:
         runs=runs,
         settings={
             "gguf": request.weights,
+            "isa": _isa(llama_cpp.llama_print_system_info()),
             "max_num_seqs": max_num_seqs,
             "n_ctx": n_ctx,
             "n_batch": n_batch,
@@ -194,6 +195,15 @@ def drive(request: PeerRequest) -> PeerResult:
         },
         notes=["continuous batching in the driver over llama_decode with one sequence id per request"],
     )
+
+
+def _isa(system_info: bytes) -> str:
+    """The vector extensions llama.cpp's CPU backend was built with, from its system-info line
+    ("CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | ...")."""
+    text = system_info.decode(errors="replace")
+    names = ("AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI", "AMX_INT8")
+    found = [n for n in names if f"{n} = 1" in text]
+    return "ggml " + (" ".join(found) or text.strip()[:80])
 
 
 if __name__ == "__main__":

@@ -125,6 +125,13 @@ def static_batches(prompts: list[PeerPrompt], batch_size: int) -> list[list[int]
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
+def torch_cpu_capability() -> str:
+    """The instruction set torch's CPU kernels dispatch to here ("AVX512", "AVX2", ...), for the report."""
+    import torch
+
+    return f"torch {torch.backends.cpu.get_cpu_capability()}"
+
+
 WARMUP_PROMPT = PeerPrompt(prompt_token_ids=[7 + 13 * i for i in range(8)], output_len=4, temperature=0.0)
 
 

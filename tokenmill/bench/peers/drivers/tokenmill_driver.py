@@ -67,6 +67,7 @@ def drive(request: PeerRequest) -> PeerResult:
         runs=runs,
         settings={
             "dtype": config.model.dtype,
+            "isa": _kernel_paths(request.dtype),
             "max_num_seqs": config.scheduler.max_num_seqs,
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
             "block_size": config.cache.block_size,
@@ -75,6 +76,17 @@ def drive(request: PeerRequest) -> PeerResult:
             "pid": os.getpid(),
         },
     )
+
+
+def _kernel_paths(dtype: str) -> str:
+    """Which compiled kernel build ran and the weight path it takes for `dtype` (tokenmill info's words)."""
+    from tokenmill.bench.hardware_info import isa_flags, kernel_paths
+
+    paths = kernel_paths(isa_flags())
+    weights = {"int8": paths.int8_weights, "float32": "float32 GEMMs"}.get(dtype, paths.bf16_weights)
+    if dtype in ("q4_0", "q4_1"):
+        weights = paths.int4_weights
+    return f"{paths.build} kernels; {weights}"
 
 
 if __name__ == "__main__":

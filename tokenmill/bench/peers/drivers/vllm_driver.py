@@ -17,9 +17,19 @@ if TYPE_CHECKING:  # the package path for type checkers; at run time the driver'
         count_run,
         serve,
         stopwatch,
+        torch_cpu_capability,
     )
 else:
-    from peer_protocol import WARMUP_PROMPT, PeerPrompt, PeerRequest, PeerResult, count_run, serve, stopwatch
+    from peer_protocol import (
+        WARMUP_PROMPT,
+        PeerPrompt,
+        PeerRequest,
+        PeerResult,
+        count_run,
+        serve,
+        stopwatch,
+        torch_cpu_capability,
+    )
 
 
 def drive(request: PeerRequest) -> PeerResult:
@@ -62,6 +72,7 @@ def drive(request: PeerRequest) -> PeerResult:
         runs=runs,
         settings={
             "dtype": request.dtype,
+            "isa": torch_cpu_capability(),  # vLLM's CPU kernels are built for the same instruction set
             "max_model_len": max_model_len,
             "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,

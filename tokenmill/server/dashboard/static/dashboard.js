@@ -164,8 +164,13 @@ function draw() {
   lineChart(canvas("device"), [
     ...keysOf("cpu_busy_cores").map((k) => series(`${k} CPU cores`, (p) => (p.cpu_busy_cores || {})[k] ?? null)),
     ...(gpu ? [series("GPU util", (p) => p.gpu_utilization)] : []),
+    series("memory GB/s (steps, est.)", (p) => p.memory_bandwidth_bytes_per_s / 1e9),
   ]);
-  note("device", gpu ? `GPU memory ${fmt(mib(cur.gpu_memory_bytes))} MiB` : "CPU: busy cores of the server and engine processes");
+  const peak = cur.memory_bandwidth_peak_bytes_per_s;
+  const draw = `memory ${fmt(cur.memory_bandwidth_bytes_per_s / 1e9)} GB/s drawn by the steps (estimated)` +
+    (peak > 0 ? ` of ${fmt(peak / 1e9)} GB/s measured (${fmt(100 * cur.memory_bandwidth_bytes_per_s / peak)}%)`
+      : " (tokenmill info --bandwidth measures the peak)");
+  note("device", (gpu ? `GPU memory ${fmt(mib(cur.gpu_memory_bytes))} MiB` : "CPU: busy cores of the server and engine processes") + ` · ${draw}`);
 
   lineChart(canvas("errors"), keysOf("errors_per_s").map((k) => series(k, (p) => (p.errors_per_s || {})[k] ?? null)));
   const totals = Object.entries(d.errors.totals).filter(([, n]) => n > 0).map(([k, n]) => `${k} ${n}`).join(", ");
