@@ -5,9 +5,12 @@ run through its own driver on an engine: tests/e2e/test_bench_e2e.py."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,6 +34,7 @@ from tokenmill.bench.peers.drivers.peer_protocol import (
     serve,
     static_batches,
 )
+from tokenmill.bench.peers.isa import AVX2_ENV
 from tokenmill.bench.roofline import MachineRates, ModelShape, decode_roofline
 
 SMOLLM2 = {  # SmolLM2-135M's config.json, the fields the roofline reads
@@ -338,3 +342,47 @@ def test_llamacpp_isa_is_read_from_its_system_info(monkeypatch: pytest.MonkeyPat
 
     info = b"CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 0 | LLAMAFILE = 1 |"
     assert _isa(info) == "ggml AVX2 AVX512 AVX512_VNNI"
+
+
+def test_cpu_isa_avx2_restricts_every_engine_through_its_own_switches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    _fake_model_and_roofline(tmp_path, monkeypatch)
+    monkeypatch.setattr(compare, "is_set_up", lambda name: True)
+    envs: dict[str, dict[str, str]] = {}
+
+    def fake_driver(name: str, python: object, script: str, request: PeerRequest, **kw: Any) -> PeerResult:
+        envs[name] = kw["env"]
+        return PeerResult(engine=name, runs=[_run(sum(p.output_len for p in request.runs[0]), 1.0)])
+
+    monkeypatch.setattr(compare, "run_driver", fake_driver)
+    opts = CompareOptions(peers=["vllm", "hf"], dtype="float32", num_prompts=2, repeat=1, cpu_isa="avx2")
+    report = run_compare(opts, log=lambda _: None)
+    assert [e.status for e in report.engines] == ["ok", "ok", "ok"]
+    for name in ("tokenmill", "vllm", "hf"):
+        assert {k: envs[name][k] for k in AVX2_ENV} == AVX2_ENV, name
+    assert envs["tokenmill"]["PYTHONPATH"]  # still finds the repo
+    # vLLM picks its _C_AVX2 kernels when torch says the CPU has no AVX-512: its sitecustomize makes it say so.
+    site = envs["vllm"]["PYTHONPATH"]
+    check = "import torch.cpu; print(torch.cpu._is_avx512_supported(), torch.cpu._is_avx512_bf16_supported())"
+    out = subprocess.run(
+        [sys.executable, "-c", check], env={**os.environ, "PYTHONPATH": site}, capture_output=True, text=True
+    )
+    assert out.stdout.split() == ["False", "False"], out.stderr
+    native = run_compare(replace(opts, cpu_isa="native"), log=lambda _: None)
+    assert native.engines[0].status == "ok" and "ATEN_CPU_CAPABILITY" not in envs["vllm"]
+    with pytest.raises(ValueError, match="cpu_isa"):
+        run_compare(replace(opts, cpu_isa="avx512"), log=lambda _: None)
+
+
+def test_llamacpp_avx2_build_failure_is_a_failed_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    _fake_model_and_roofline(tmp_path, monkeypatch)
+    monkeypatch.setattr(compare, "is_set_up", lambda name: True)
+    no_conversion = replace(PEERS["llamacpp"], prepare_weights=lambda root, model, dtype: tmp_path / "m.gguf")
+    monkeypatch.setitem(PEERS, "llamacpp", no_conversion)
+    monkeypatch.setattr(compare, "run_driver", lambda *a, **k: pytest.fail("no driver without its libraries"))
+    opts = CompareOptions(peers=["llamacpp"], dtype="float32", num_prompts=2, repeat=1, include_tokenmill=False)
+    line = run_compare(replace(opts, cpu_isa="avx2"), log=lambda _: None).engines[0]
+    assert line.status == "failed" and "AVX2 ggml build failed" in line.note  # no llama.cpp source in this cache

@@ -25,6 +25,7 @@ from tokenmill.bench.datasets import BenchRequest, check_fits, make_workload
 from tokenmill.bench.peers import PEERS, is_set_up, not_set_up_note, peer_root, run_driver
 from tokenmill.bench.peers.base import venv_python
 from tokenmill.bench.peers.drivers.peer_protocol import PeerPrompt, PeerRequest, PeerResult, RunResult
+from tokenmill.bench.peers.isa import AVX2_ENV, CPU_ISAS
 from tokenmill.bench.roofline import MachineRates, ModelShape, Roofline, compute_fraction, decode_roofline, fraction_of
 
 TOKENMILL = "tokenmill"
@@ -50,6 +51,9 @@ class CompareOptions:
     timeout_s: float = 3600.0  # per engine, its repeats included
     include_tokenmill: bool = True
     engine_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per engine, for its driver
+    # "avx2": every engine restricted to AVX2 (peers/isa.py); this process too, which the caller arranges
+    # (os.environ.update(AVX2_ENV) before torch runs anything: the CLI does) so the roofline matches
+    cpu_isa: str = "native"
 
 
 @dataclass
@@ -203,7 +207,8 @@ def format_table(report: CompareReport) -> str:
     lines.insert(1, "-" * (sum(widths) + 2 * len(widths) + 4))
     isa = [f"{e.engine}: {e.settings['isa']}" for e in report.engines if e.status == "ok" and e.settings.get("isa")]
     if isa:
-        lines.append("instruction-set paths: " + " | ".join(isa))
+        emulated = " (AVX2 forced on every engine: --cpu-isa avx2)" if report.options.get("cpu_isa") == "avx2" else ""
+        lines.append(f"instruction-set paths{emulated}: " + " | ".join(isa))
     tm = next((e for e in report.engines if e.engine == TOKENMILL and e.status == "ok"), None)
     if tm:
         for e in report.engines:
@@ -261,6 +266,7 @@ def run_compare(opts: CompareOptions, log: Callable[[str], None] = print) -> Com
         raise ValueError(f"repeat must be >= 1, got {opts.repeat}.")
     if opts.peer_dtype not in PEER_DTYPE_CHOICES:
         raise ValueError(f"peer_dtype must be one of {PEER_DTYPE_CHOICES}, not {opts.peer_dtype!r}.")
+    check_cpu_isa(opts.cpu_isa)
     unknown = [p for p in opts.peers if p not in PEERS]
     if unknown:
         raise ValueError(f"unknown peer(s) {unknown}; peers: {', '.join(PEERS)}.")
@@ -316,11 +322,13 @@ def _run_engine(
     options = dict(opts.engine_options.get(name, {}))
     if opts.max_num_seqs and name in (TOKENMILL, "vllm", "llamacpp"):
         options.setdefault("max_num_seqs", opts.max_num_seqs)
+    isa_env = AVX2_ENV if opts.cpu_isa == "avx2" else {}
     if name == TOKENMILL:
         request = replace(base, engine=name, options=options)
         # The project's own Python; the repo root on the path in case tokenmill is not installed.
         env = {
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")]))
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")])),
+            **isa_env,
         }
         result = run_driver(name, sys.executable, "tokenmill_driver.py", request, env=env, timeout_s=opts.timeout_s)
         return summarize(result, expected)
@@ -342,15 +350,24 @@ def _run_engine(
     root = peer_root(name)
     try:
         weights = spec.prepare_weights(root, Path(base.model), base.dtype)
+        env = {**spec.driver_env(opts.threads), **isa_env, **(spec.avx2_env(root) if isa_env else {})}
     except RuntimeError as exc:
         return EngineSummary(
-            name, "failed", note=f"weight conversion failed: {str(exc).splitlines()[0]}", error=str(exc)
+            name, "failed", note=f"preparing {name} failed: {str(exc).splitlines()[0]}", error=str(exc)
         )
     request = replace(base, engine=name, options=options, weights=str(weights) if weights else None)
-    result = run_driver(
-        name, venv_python(root), spec.driver, request, env=spec.driver_env(opts.threads), timeout_s=opts.timeout_s
-    )
+    result = run_driver(name, venv_python(root), spec.driver, request, env=env, timeout_s=opts.timeout_s)
     return summarize(result, expected)
+
+
+def check_cpu_isa(cpu_isa: str) -> None:
+    """Raises ValueError unless `cpu_isa` is one of CPU_ISAS and this CPU runs it."""
+    from tokenmill.ops.build import cpu_has_avx2
+
+    if cpu_isa not in CPU_ISAS:
+        raise ValueError(f"cpu_isa must be one of {CPU_ISAS}, not {cpu_isa!r}.")
+    if cpu_isa == "avx2" and not cpu_has_avx2():
+        raise ValueError("cpu_isa='avx2' needs a CPU with AVX2 and FMA; this one has neither.")
 
 
 def best_dtype(tried: list[EngineSummary], dtypes: list[str]) -> EngineSummary:

@@ -74,6 +74,13 @@ def add_compare_parser(subparsers: argparse._SubParsersAction) -> None:
         help="same: peers run --dtype; best: each peer runs every float dtype it has (float32, bfloat16) and "
         "its fastest is reported (each engine at the setting its users would choose on this CPU)",
     )
+    parser.add_argument(
+        "--cpu-isa",
+        default="native",
+        choices=["native", "avx2"],
+        help="avx2: every engine (and the roofline) runs as on an AVX2-only CPU, each through its own libraries' "
+        "switches (torch, MKL, oneDNN, vLLM's AVX2 kernels, an AVX2 build of ggml): for a CPU with AVX-512",
+    )
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--max-prompt-len", type=int, default=None)
     parser.add_argument("--max-output-len", type=int, default=None)
@@ -96,6 +103,10 @@ def add_compare_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
+    if args.cpu_isa == "avx2":  # before torch picks its kernels in this process (the roofline runs here)
+        from tokenmill.bench.peers.isa import AVX2_ENV
+
+        os.environ.update(AVX2_ENV)
     from tokenmill.bench.cli import machine_info
     from tokenmill.bench.compare import CompareOptions, format_table, plot, run_compare
 
@@ -121,6 +132,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
         timeout_s=args.timeout,
         include_tokenmill=args.include_tokenmill,
         engine_options=engine_options,
+        cpu_isa=args.cpu_isa,
     )
     report = run_compare(opts)
     print(

@@ -11,6 +11,10 @@ Every source and header lives in tokenmill/ops/csrc/; each extension is one .cpp
 
 The kernels themselves are headers (ops/csrc/*.h), shared by these modules.
 
+`python -m tokenmill.ops.build` builds all four for TOKENMILL_CPU_ISA ahead of time (scripts/test.sh runs
+the native and the AVX2 builds side by side while the linters run: each module is one translation unit, so
+a build keeps one core busy).
+
 The instruction set: TOKENMILL_CPU_ISA=native (the default) compiles with -march=native, so the
 kernels pick their AVX-512 BF16 / VNNI paths where this CPU has them; TOKENMILL_CPU_ISA=avx2 compiles
 with -march=x86-64-v3 (AVX2 and FMA, no AVX-512), the path of CPUs without AVX-512, under other
@@ -32,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = {name: CSRC / f"{name}.cpp" for name in ("paged_decode", "cpu_ops", "decode_stack", "packed_gemm")}
+TORCH_OP_LIBRARIES = ("packed_gemm",)  # loaded with load_ops; the others are pybind modules (load)
 HEADERS = CSRC
 ISA_ENV = "TOKENMILL_CPU_ISA"
 # TOKENMILL_CPU_ISA value -> the -march flag. x86-64-v3: AVX2, FMA, F16C, BMI2 (Haswell and later).
@@ -148,3 +153,21 @@ def _remove_stale_lock(root: Path, ext: str) -> None:
                 lock.unlink()
         except OSError:
             pass
+
+
+def build_all() -> list[str]:
+    """Build (or find cached) every extension for this process's instruction set; the names that failed."""
+    return [name for name in SOURCES if not (load_ops(name) if name in TORCH_OP_LIBRARIES else load(name) is not None)]
+
+
+if __name__ == "__main__":
+    import sys
+
+    logging.basicConfig(level=logging.WARNING)
+    started = time.perf_counter()
+    failed = build_all()
+    print(
+        f"tokenmill kernels ({cpu_isa()}): built in {time.perf_counter() - started:.0f} s"
+        + (f"; FAILED: {', '.join(failed)}" if failed else "")
+    )
+    sys.exit(1 if failed else 0)

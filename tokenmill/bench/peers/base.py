@@ -53,6 +53,8 @@ class PeerSpec:
     # (peer folder, HF folder, dtype) -> converted weights, or None when the driver reads the HF folder
     prepare_weights: Callable[[Path, Path, str], Path | None] = lambda root, model, dtype: None
     driver_env: Callable[[int], dict[str, str]] = lambda threads: {}
+    # (peer folder) -> what the driver needs beyond isa.AVX2_ENV to run as on an AVX2-only CPU (may build once)
+    avx2_env: Callable[[Path], dict[str, str]] = lambda root: {}
 
 
 def peers_dir() -> Path:

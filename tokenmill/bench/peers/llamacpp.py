@@ -2,11 +2,16 @@
 uses whatever SIMD this CPU has). The source distribution is kept, because it ships llama.cpp's own
 `convert_hf_to_gguf.py`, which turns the same HF folder into the GGUF the driver loads (f32, bf16 or q8_0;
 q4_0 and q4_1 quantized from the f32 file by llama.cpp's own quantizer, `llama_model_quantize`, as
-llama-quantize does); the converter's needs (torch, transformers, sentencepiece) go into the same virtualenv."""
+llama-quantize does); the converter's needs (torch, transformers, sentencepiece) go into the same virtualenv.
+
+For `compare --cpu-isa avx2` the ggml CPU backend is built a second time, once, without AVX-512 (AVX2, FMA,
+F16C, BMI2: what x86-64-v3 has), next to copies of the other libraries in `lib-avx2/`, and
+LLAMA_CPP_LIB_PATH points llama-cpp-python there (about 3 minutes on 2 cores)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -126,6 +131,57 @@ def _prepare(root: Path, model: Path, dtype: str) -> Path:
     return converted_weights(root, model, f"model-{outtype}.gguf", convert)
 
 
+# The ggml CPU backend of an AVX2-only machine (the AVX-512 options are off by default once NATIVE is).
+_AVX2_CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=ON",
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AVX=ON",
+    "-DGGML_AVX2=ON",
+    "-DGGML_FMA=ON",
+    "-DGGML_F16C=ON",
+    "-DGGML_BMI2=ON",
+    "-DGGML_AVX512=OFF",
+    "-DGGML_AVX_VNNI=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_TOOLS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+]
+
+
+def _installed_libs(root: Path) -> Path:
+    found = sorted((root / "venv").glob("lib/python*/site-packages/llama_cpp/lib"))
+    if not found:
+        raise RuntimeError(f"llama-cpp-python's libraries are not under {root / 'venv'}; run setup-peer llamacpp")
+    return found[0]
+
+
+def _avx2_env(root: Path) -> dict[str, str]:
+    target = root / "lib-avx2"
+    if not (target / "libggml-cpu.so").exists():
+        build, tmp = root / "build-avx2", root / f".lib-avx2.tmp-{os.getpid()}"
+        source = source_dir(root) / "vendor" / "llama.cpp"
+        if not (source / "CMakeLists.txt").is_file() or shutil.which("cmake") is None:
+            raise RuntimeError(f"the AVX2 ggml build failed: it needs cmake and llama.cpp's source in {source}")
+        jobs = str(os.cpu_count() or 2)
+        for command in (
+            ["cmake", "-S", str(source), "-B", str(build), *_AVX2_CMAKE_FLAGS],
+            ["cmake", "--build", str(build), "--target", "ggml-cpu", "-j", jobs],
+        ):
+            proc = subprocess.run(command, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                raise RuntimeError(f"the AVX2 ggml build failed: {' '.join(command)}\n{proc.stderr[-3000:]}")
+        shutil.copytree(_installed_libs(root), tmp, symlinks=True)
+        for lib in build.rglob("libggml-cpu.so*"):
+            (tmp / lib.name).unlink(missing_ok=True)
+            shutil.copy2(lib, tmp / lib.name, follow_symlinks=False)
+        tmp.rename(target)
+    return {"LLAMA_CPP_LIB_PATH": str(target)}
+
+
 def _env(threads: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(threads)}
 
@@ -139,4 +195,5 @@ SPEC = PeerSpec(
     setup_steps=_steps,
     prepare_weights=_prepare,
     driver_env=_env,
+    avx2_env=_avx2_env,
 )

