@@ -11,9 +11,12 @@
 //   the row's (x[k], x[k+1]) and adds them, 16 multiply-adds per instruction with no conversion of
 //   the weights to float. For that, activation rows are quantized to int16 per row (scale
 //   max|x| / 32767: an error of at most 1.5e-5 of the row's largest value, far below the int8
-//   weights' own). bf16 panels are widened in registers inside every tile (a shift and a mask per 16
-//   weights: cheaper than a trip through a widened float32 copy of the panel at these row counts),
-//   and from kDequantizeRows rows on (prefill) both kinds are dequantized for a dense float32 GEMM.
+//   weights' own). From kDequantizeRows rows on (prefill) int8 weights are dequantized for a dense
+//   float32 GEMM.
+// - bf16 panels are widened in registers at one row (a shift and a mask per 16 weights, hidden behind
+//   the memory stream), and for more rows once per chunk of k into an L1 buffer that every row tile
+//   reads (bf16_panel_rows): at the FMA peak from ~32 rows up, the BLAS sgemm's rate, without a
+//   widened float32 copy of the whole weight, so at every row count.
 // These are the AVX2 layouts and kernels; CPUs with AVX-512 BF16 and VNNI take packed_gemm_avx512.h
 // (bf16 in k pairs, int8 in k quads against int8 activation groups) at every row count.
 // Grouped weights (uint8 panels of 4- or 8-bit levels, float16 or float32 group scales): packed_int4.h.
@@ -70,9 +73,10 @@ inline void widen16(const uint16_t* w, __m256& lo, __m256& hi) {  // interleaved
 }
 
 // One register tile: MR activation rows x 16 output channels, over all of K: one sum per output in k
-// order, for every row count (interleaved partial sums would keep more FMAs in flight with few rows,
-// but round differently), so a row's result is the same bits alone (decode) or in a tile (prefill, a
-// batch, a speculative verification step), as on AVX-512 (see unroll_for in packed_gemm_avx512.h).
+// order, as tile_widened's for several rows (interleaved partial sums would keep more FMAs in flight
+// with few rows, but round differently), so a row's result is the same bits alone (decode) or among
+// others (prefill, a batch, a speculative verification step), as on AVX-512 (see unroll_for in
+// packed_gemm_avx512.h).
 template <int MR, typename W>
 inline void tile(const float* x, int64_t ldx, const W* panel, int64_t K, __m256 (&out)[MR][2]) {
 #pragma GCC unroll 8
@@ -163,6 +167,86 @@ void gemv_two_streams(const float* x, const W* wp, int64_t K, int64_t N, int64_t
       [&](int64_t p) {
         rows<1, W>(x, K, wp + p * K * kPanel, K, scale + p * kPanel, bias + p * kPanel, y + p * kPanel, 0, cols(p));
       });
+}
+
+// ---------------------------------------------------------------- bf16 weights, several rows
+// Widening in every tile costs two vector ALU instructions per k on the ports the FMAs need (a third of
+// the 6-row tile's 12 FMAs' issue slots on Intel): it held the tiles to ~70% of the FMA peak. So a
+// panel is widened once per chunk of k into an L1-resident float32 buffer that every row tile of the
+// row block then reads, two aligned loads per k. Each output is still one sum in k order (a tile's
+// partial sums wait in `partial` between chunks, stored and reloaded exactly): the same bits as tile's.
+constexpr int64_t kChunk = 256;  // k steps widened at once: 256 x 16 float32 = 16 KiB
+
+template <int MR>
+inline void tile_widened(const float* x, int64_t ldx, const float* w, int64_t n, __m256 (&out)[MR][2]) {
+  for (int64_t k = 0; k < n; ++k) {
+    const __m256 w0 = _mm256_load_ps(w + k * kPanel), w1 = _mm256_load_ps(w + k * kPanel + 8);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);
+      out[i][0] = _mm256_fmadd_ps(xv, w0, out[i][0]);
+      out[i][1] = _mm256_fmadd_ps(xv, w1, out[i][1]);
+    }
+  }
+}
+
+// Calls f(std::integral_constant<int, rows>) for rows in [1, kRows].
+template <typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  static_assert(kRows == 6);
+  switch (rows) {
+    case 6:
+      return f(std::integral_constant<int, 6>{});
+    case 5:
+      return f(std::integral_constant<int, 5>{});
+    case 4:
+      return f(std::integral_constant<int, 4>{});
+    case 3:
+      return f(std::integral_constant<int, 3>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    default:
+      return f(std::integral_constant<int, 1>{});
+  }
+}
+
+// Rows [m0, m1) (at most kRowBlock) of x [M, K] against one bf16 panel -> y's 16 (num_cols) columns of
+// those rows. wbuf: kChunk * 16 floats, 32-byte aligned; partial: kRowBlock * 16 floats.
+inline void bf16_panel_rows(const float* x, int64_t K, int64_t m0, int64_t m1, const uint16_t* panel,
+                            const float* scale, const float* bias, float* y, int64_t ldy, int64_t num_cols, float* wbuf,
+                            float* partial) {
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const int64_t n = std::min(kChunk, K - k0);
+    for (int64_t k = 0; k < n; ++k) {
+      __m256 lo, hi;
+      widen16(panel + (k0 + k) * kPanel, lo, hi);
+      _mm256_store_ps(wbuf + k * kPanel, lo);
+      _mm256_store_ps(wbuf + k * kPanel + 8, hi);
+    }
+    const bool first = k0 == 0, last = k0 + n == K;
+    for (int64_t m = m0; m < m1; m += kRows) {
+      with_rows(std::min(kRows, m1 - m), [&](auto rows) {
+        constexpr int MR = decltype(rows)::value;
+        float* part = partial + (m - m0) * kPanel;
+        __m256 out[MR][2];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          out[i][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(part + i * kPanel);
+          out[i][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(part + i * kPanel + 8);
+        }
+        tile_widened<MR>(x + m * K + k0, K, wbuf, n, out);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          if (last) {
+            store_row(out[i], 1.0f, scale, bias, y + (m + i) * ldy, num_cols);
+          } else {
+            _mm256_storeu_ps(part + i * kPanel, out[i][0]);
+            _mm256_storeu_ps(part + i * kPanel + 8, out[i][1]);
+          }
+        }
+      });
+    }
+  }
 }
 
 // ---------------------------------------------------------------- int8 weights x int16 activations
@@ -321,35 +405,9 @@ void rows_scalar(const float* x, int64_t ldx, int64_t mr, const W* panel, int64_
   }
 }
 
-template <typename W>
-void panel_rows(const float* x, int64_t ldx, int64_t mr, const W* panel, int64_t K, const float* scale,
-                const float* bias, float* y, int64_t ldy, int64_t num_cols) {
-#ifdef TM_AVX2
-  if constexpr (std::is_same_v<W, int8_t>) {  // unused: small int8 GEMMs take int8_small
-    rows_scalar(x, ldx, mr, panel, K, scale, bias, y, ldy, num_cols);
-  } else {
-    switch (mr) {
-      case 6:
-        return rows<6, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
-      case 5:
-        return rows<5, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
-      case 4:
-        return rows<4, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
-      case 3:
-        return rows<3, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
-      case 2:
-        return rows<2, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
-      default:
-        return rows<1, W>(x, ldx, panel, K, scale, bias, y, ldy, num_cols);
-    }
-  }
-#else
-  rows_scalar(x, ldx, mr, panel, K, scale, bias, y, ldy, num_cols);
-#endif
-}
-
-// Prefill-sized batches: the GEMM is compute bound, and the BLAS sgemm beats our register tiles, so
-// widen the weight once to float32 (cheap next to 2*M*N*K flops) and let at::linear run it.
+// Prefill-sized batches of int8 weights (and of every kind in builds without AVX2): the GEMM is compute
+// bound, and the BLAS sgemm beats those tiles, so widen the weight once to float32 (cheap next to
+// 2*M*N*K flops) and let at::linear run it.
 template <typename W>
 at::Tensor dense_linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const at::Tensor& scale,
                         const at::Tensor& bias, int64_t N) {
@@ -374,7 +432,12 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
 #ifdef TM_AVX512
   return avx512::linear(x, wp, P, KP, scale, bias, N);
 #endif
-  if (M >= kDequantizeRows) return dense_linear(x, wp, P, KP, scale, bias, N);
+#ifdef TM_AVX2
+  constexpr bool tiled_at_every_row_count = std::is_same_v<W, uint16_t>;  // bf16_panel_rows
+#else
+  constexpr bool tiled_at_every_row_count = false;
+#endif
+  if (M >= kDequantizeRows && !tiled_at_every_row_count) return dense_linear(x, wp, P, KP, scale, bias, N);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* sp = scale.data_ptr<float>();
@@ -389,16 +452,30 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
     at::parallel_for(0, P, 1,
                      [&](int64_t begin, int64_t end) { gemv_two_streams(xp, wp, K, N, begin, end, sp, bp, yp); });
     return y;
+  } else {
+    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+      const int64_t m1 = std::min(M, m0 + kRowBlock);
+      at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+        alignas(32) float wbuf[kChunk * kPanel];
+        float partial[kRowBlock * kPanel];
+        for (int64_t p = begin; p < end; ++p) {
+          const int64_t n0 = p * kPanel;
+          bf16_panel_rows(xp, K, m0, m1, wp + p * KP * kPanel, sp + n0, bp + n0, yp + n0, N, std::min(kPanel, N - n0),
+                          wbuf, partial);
+        }
+      });
+    }
+    return y;
   }
 #endif
-  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {  // builds without AVX2
     const int64_t m1 = std::min(M, m0 + kRowBlock);
     at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanel, num_cols = std::min(kPanel, N - n0);
         const W* panel = wp + p * KP * kPanel;
         for (int64_t m = m0; m < m1; m += kRows)
-          panel_rows(xp + m * K, K, std::min(kRows, m1 - m), panel, K, sp + n0, bp + n0, yp + m * N + n0, N, num_cols);
+          rows_scalar(xp + m * K, K, std::min(kRows, m1 - m), panel, K, sp + n0, bp + n0, yp + m * N + n0, N, num_cols);
       }
     });
   }

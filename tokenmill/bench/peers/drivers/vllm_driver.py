@@ -72,12 +72,19 @@ def drive(request: PeerRequest) -> PeerResult:
         runs=runs,
         settings={
             "dtype": request.dtype,
-            "isa": torch_cpu_capability(),  # vLLM's CPU kernels are built for the same instruction set
+            "isa": f"{torch_cpu_capability()}, {_vllm_kernels()}",
             "max_model_len": max_model_len,
             "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
         },
     )
+
+
+def _vllm_kernels() -> str:
+    """Which of the wheel's kernel builds this process loaded (_C: AVX-512 BF16, _C_AVX512, _C_AVX2)."""
+    with open("/proc/self/maps") as maps:
+        names = {line.split()[-1].rsplit("/", 1)[-1] for line in maps if "/vllm/_C" in line}
+    return "vllm " + ("/".join(sorted(n.split(".")[0] for n in names)) or "kernels not loaded")
 
 
 if __name__ == "__main__":
