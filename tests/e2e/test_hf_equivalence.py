@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.kernels.avx2_rerun import avx2_rerun_test
 from tests.tiny_models import hf_greedy, hf_model, random_prompts
 from tokenmill import LLM, SamplingParams
 
@@ -113,3 +114,8 @@ def test_reference_and_fast_attention_agree(llama_model: Path) -> None:
         )
     )
     assert fast == ref
+
+
+# The same HF checks on the AVX2 kernels (paged decode, fused ops, the AVX2 GEMM), whatever the CPU here;
+# one family (biases, tied head) keeps it short.
+test_the_avx2_build_passes_these_tests = avx2_rerun_test(__file__, select="qwen2")
