@@ -81,7 +81,11 @@ def drive(request: PeerRequest) -> PeerResult:
 
 
 def _vllm_kernels() -> str:
-    """Which of the wheel's kernel builds this process loaded (_C: AVX-512 BF16, _C_AVX512, _C_AVX2)."""
+    """Which of the wheel's kernel builds vLLM loads here (_C: AVX-512 BF16, _C_AVX512, _C_AVX2). Its
+    engine core, another process, loads them; loading them here too picks the same one by the same rule."""
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
     with open("/proc/self/maps") as maps:
         names = {line.split()[-1].rsplit("/", 1)[-1] for line in maps if "/vllm/_C" in line}
     return "vllm " + ("/".join(sorted(n.split(".")[0] for n in names)) or "kernels not loaded")
