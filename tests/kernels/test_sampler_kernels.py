@@ -2,13 +2,15 @@
 against their torch references, and the sampler tests whose float32 CPU logits reach them where they
 build (greedy rows: the argmax kernel; plain temperature draws: the draw kernel). Without a compiler the
 same tests run the torch path. The sampler's pure-torch parts (filters, penalties, logprobs, metadata)
-are in tests/unit/test_sampler.py, whose helpers these tests share."""
+are in tests/unit/test_sampler.py, whose helpers these tests share. The AVX2 build (vectorized softmax
+weights and row maxima there too) runs this file again in a subprocess (the last test)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.kernels.avx2_rerun import avx2_rerun_test
 from tests.unit.test_sampler import CHI2_7_DOF_999, EOS, VOCAB, build, chi_square, draws, sample, seeded
 from tokenmill.ops.cpu_ops import cpu_ops
 from tokenmill.sample.sampler import Sampler
@@ -217,3 +219,6 @@ def test_the_sampled_token_is_reported_with_its_rank_even_outside_the_top_k() ->
 def test_no_logprobs_are_computed_when_nobody_asks() -> None:
     out = Sampler()(torch.randn(2, VOCAB), build([SamplingParams(), SamplingParams(temperature=0.0)]))
     assert out.topk_token_ids is None and out.topk_logprobs is None and out.sampled_ranks is None
+
+
+test_the_avx2_build_passes_these_tests = avx2_rerun_test(__file__)

@@ -103,6 +103,30 @@ inline void rotary_(torch::Tensor qk, int64_t num_heads, int64_t head_dim, torch
   });
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+inline float sum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// exp((l[t] - max) * inv_t) for the first n (may be <= 0) of eight logits, 0 past them and for -inf (masked).
+inline __m256 weights8(const float* l, int64_t n, float max, float inv_t) {
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 x;
+  if (n >= 8) {
+    x = _mm256_loadu_ps(l);
+  } else {
+    alignas(32) float part[8];
+    for (int64_t t = 0; t < 8; ++t) part[t] = t < n ? l[t] : -std::numeric_limits<float>::infinity();
+    x = _mm256_load_ps(part);
+  }
+  const __m256 live = _mm256_cmp_ps(x, neg_inf, _CMP_NEQ_OQ);
+  const __m256 e = exp256(_mm256_mul_ps(_mm256_sub_ps(x, _mm256_set1_ps(max)), _mm256_set1_ps(inv_t)));
+  return _mm256_and_ps(live, e);
+}
+#endif
+
 // The unnormalized probabilities exp((l - max) / T) of tokens [16c, 16c + 16) of a row of v logits,
 // zeros past v (a -inf logit, masked, weighs exactly 0); returns their sum.
 inline float chunk_weights(const float* l, int64_t v, int64_t c, float max, float inv_t, float* w) {
@@ -116,6 +140,14 @@ inline float chunk_weights(const float* l, int64_t v, int64_t c, float max, floa
   const __m512 weights = _mm512_maskz_mov_ps(live, e);
   _mm512_storeu_ps(w, weights);
   return _mm512_reduce_add_ps(weights);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t h = 0; h < 2; ++h) {  // tokens [first + 8h, first + 8h + 8)
+    const __m256 weights = weights8(l + first + 8 * h, n - 8 * h, max, inv_t);
+    _mm256_storeu_ps(w + 8 * h, weights);
+    acc = _mm256_add_ps(acc, weights);
+  }
+  return sum8(acc);
 #else
   float sum = 0.0f;
   for (int64_t t = 0; t < 16; ++t) sum += (w[t] = t < n ? std::exp((l[first + t] - max) * inv_t) : 0.0f);
@@ -139,6 +171,20 @@ inline float row_max(const float* l, int64_t v, bool& nan) {
     }
   max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
   nan = unordered != 0;
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 m[4];
+  for (auto& x : m) x = _mm256_set1_ps(max);
+  __m256 unordered = _mm256_setzero_ps();
+  for (; t + 32 <= v; t += 32)
+    for (int j = 0; j < 4; ++j) {
+      const __m256 x = _mm256_loadu_ps(l + t + 8 * j);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+      m[j] = _mm256_max_ps(x, m[j]);  // a NaN in x keeps m[j] (maxps returns its second operand)
+    }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
+  for (const float lane : lanes) max = std::max(max, lane);
+  nan = _mm256_movemask_ps(unordered) != 0;
 #endif
   for (; t < v; ++t) {
     max = std::max(max, l[t]);
@@ -162,6 +208,14 @@ inline float span_weight(const float* l, int64_t v, int64_t c0, int64_t c1, floa
     acc = _mm512_mask_add_ps(acc, live, acc, exp512(_mm512_mul_ps(_mm512_sub_ps(x, shift), scale)));
   }
   return _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t c = c0; c < c1; ++c) {
+    const int64_t first = 16 * c;
+    acc = _mm256_add_ps(acc, weights8(l + first, v - first, max, inv_t));
+    acc = _mm256_add_ps(acc, weights8(l + first + 8, v - first - 8, max, inv_t));
+  }
+  return sum8(acc);
 #else
   float w[16], sum = 0.0f;
   for (int64_t c = c0; c < c1; ++c) sum += chunk_weights(l, v, c, max, inv_t, w);
