@@ -347,25 +347,8 @@ inline void int8_small(const Int16Rows& q, int64_t M, const int8_t* wp, int64_t 
     const float* bp = bias + p * kPanel;
     for (int64_t m = 0; m < M; m += kRows) {
       float* yp = y + m * N + p * kPanel;
-      switch (std::min(kRows, M - m)) {
-        case 6:
-          int8_rows<6>(q, KP, m, panel, sp, bp, yp, N, cols(p));
-          break;
-        case 5:
-          int8_rows<5>(q, KP, m, panel, sp, bp, yp, N, cols(p));
-          break;
-        case 4:
-          int8_rows<4>(q, KP, m, panel, sp, bp, yp, N, cols(p));
-          break;
-        case 3:
-          int8_rows<3>(q, KP, m, panel, sp, bp, yp, N, cols(p));
-          break;
-        case 2:
-          int8_rows<2>(q, KP, m, panel, sp, bp, yp, N, cols(p));
-          break;
-        default:
-          int8_rows<1>(q, KP, m, panel, sp, bp, yp, N, cols(p));
-      }
+      with_rows(std::min(kRows, M - m),
+                [&](auto rows) { int8_rows<decltype(rows)::value>(q, KP, m, panel, sp, bp, yp, N, cols(p)); });
     }
   }
 }
