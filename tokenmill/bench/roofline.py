@@ -143,72 +143,90 @@ def decode_roofline(
     )
 
 
-def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes/s reading a float32 tensor of `num_bytes` (best of `repeats` full passes)."""
+def _sync(device: str) -> None:
+    """Wait for the device's queued work: CUDA kernels run after their launch returns."""
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5, device: str = "cpu") -> float:
+    """Bytes/s reading a float32 tensor of `num_bytes` on `device` (best of `repeats` full passes)."""
     import torch
 
     if num_bytes < 1 << 30:
         raise ValueError("read at least 1 GiB, or caches inflate the bandwidth.")
-    data = torch.ones(num_bytes // 4, dtype=torch.float32)  # [num_bytes / 4]
+    data = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)  # [num_bytes / 4]
     data.sum()  # fault the pages in
     best = float("inf")
     for _ in range(repeats):
+        _sync(device)
         start = time.perf_counter()
         data.sum()
+        _sync(device)
         best = min(best, time.perf_counter() - start)
     del data
     return num_bytes / best
 
 
-def _gemm(dtype: str, rows: int, in_features: int, out_features: int) -> Callable[[], object]:
+def _gemm(dtype: str, rows: int, in_features: int, out_features: int, device: str) -> Callable[[], object]:
     """One linear layer's product at `rows` tokens in `dtype`; int8 is torch's int8 x int8 -> int32
     matmul (oneDNN, VNNI where the CPU has it)."""
     import torch
 
     if dtype == "int8":
-        xi = torch.randint(-127, 128, (rows, in_features), dtype=torch.int8)  # [rows, in_features]
-        wi = torch.randint(-127, 128, (in_features, out_features), dtype=torch.int8)  # [in_features, out_features]
+        xi = torch.randint(-127, 128, (rows, in_features), dtype=torch.int8, device=device)  # [rows, in_features]
+        wi = torch.randint(-127, 128, (in_features, out_features), dtype=torch.int8, device=device)  # [in, out]
         return lambda: torch._int_mm(xi, wi)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    x = torch.randn(rows, in_features, dtype=torch_dtype)  # [rows, in_features]
-    w = torch.randn(out_features, in_features, dtype=torch_dtype)  # [out_features, in_features]
+    x = torch.randn(rows, in_features, dtype=torch_dtype, device=device)  # [rows, in_features]
+    w = torch.randn(out_features, in_features, dtype=torch_dtype, device=device)  # [out_features, in_features]
     return lambda: torch.nn.functional.linear(x, w)
 
 
-def measure_gemm(shape: ModelShape, dtype: str, rows: int, min_seconds: float = 0.2, blocks: int = 5) -> float:
+def measure_gemm(
+    shape: ModelShape, dtype: str, rows: int, min_seconds: float = 0.2, blocks: int = 5, device: str = "cpu"
+) -> float:
     """(FL)OP/s of the model's linear layers at `rows` tokens: sum of operations over sum of time, each
     shape weighted by how often a forward pass runs it, each timed as the best of `blocks` timing
     blocks (a ceiling should not include other processes' interruptions)."""
     import torch
 
+    # A GPU queues launches faster than it runs them: wait for each group of launches, or the loop
+    # queues seconds of work before the clock says stop.
+    group = 10 if device.startswith("cuda") else 1
     flops = seconds = 0.0
     with torch.inference_mode():
         for out_features, in_features, count in shape.linear_shapes():
-            gemm = _gemm(dtype, rows, in_features, out_features)
+            gemm = _gemm(dtype, rows, in_features, out_features, device)
             gemm()  # warm-up
             best = float("inf")
             for _ in range(blocks):
+                _sync(device)
                 iters, start = 0, time.perf_counter()
-                while (elapsed := time.perf_counter() - start) < min_seconds / blocks or iters < 2:
-                    gemm()
-                    iters += 1
-                best = min(best, elapsed / iters)
+                while time.perf_counter() - start < min_seconds / blocks or iters < 2:
+                    for _ in range(group):
+                        gemm()
+                    iters += group
+                    _sync(device)
+                best = min(best, (time.perf_counter() - start) / iters)
             flops += 2 * rows * in_features * out_features * count
             seconds += best * count
     return flops / seconds
 
 
-def measure_rates(shape: ModelShape, dtype: str, batch: int, threads: int) -> MachineRates:
-    """Bandwidth and GEMM rates, measured now with `threads` threads. For 16-bit weights the GEMM rate is the
-    better of computing in that dtype and in float32 (upconverting the weights): a CPU without native bf16
-    arithmetic (AVX2 only) is fastest through float32 FMAs, and an engine such as llama.cpp does exactly that,
-    so torch's bf16 kernels alone would understate the ceiling."""
+def measure_rates(shape: ModelShape, dtype: str, batch: int, threads: int, device: str = "cpu") -> MachineRates:
+    """Bandwidth and GEMM rates on `device`, measured now with `threads` CPU threads. For 16-bit weights the
+    GEMM rate is the better of computing in that dtype and in float32 (upconverting the weights): a CPU
+    without native bf16 arithmetic (AVX2 only) is fastest through float32 FMAs, and an engine such as
+    llama.cpp does exactly that, so torch's bf16 kernels alone would understate the ceiling."""
     import torch
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        bandwidth = measure_bandwidth()
+        bandwidth = measure_bandwidth(device=device)
         # int8 weights: the fastest of an int8, a bf16 and a float32 GEMM (engines such as llama.cpp or
         # an AVX2 build compute int8 weights in 16- or 32-bit arithmetic).
         candidates = {
@@ -218,12 +236,13 @@ def measure_rates(shape: ModelShape, dtype: str, batch: int, threads: int) -> Ma
             "q4_0": ["int8", "bfloat16", "float32"],  # 4-bit weights multiply as int8 (VNNI) or wider
             "q4_1": ["int8", "bfloat16", "float32"],
         }.get(dtype, [dtype])
-        best = max(candidates, key=lambda d: measure_gemm(shape, d, batch, min_seconds=0.1))
+        best = max(candidates, key=lambda d: measure_gemm(shape, d, batch, min_seconds=0.1, device=device))
         label = dtype if best == dtype else f"{dtype} as {best}"
         # The peak is the better dtype at PEAK_ROWS, chosen again: at one row a 16-bit GEMM can win by
         # reading half the bytes and still be far slower than float32 at a prefill's rows.
-        peak = max(measure_gemm(shape, d, PEAK_ROWS) for d in candidates)
-        return MachineRates(bandwidth, measure_gemm(shape, best, batch), label, batch, threads, peak_gemm_flops=peak)
+        peak = max(measure_gemm(shape, d, PEAK_ROWS, device=device) for d in candidates)
+        gemm = measure_gemm(shape, best, batch, device=device)
+        return MachineRates(bandwidth, gemm, label, batch, threads, peak_gemm_flops=peak)
     finally:
         torch.set_num_threads(previous)
 
