@@ -367,7 +367,7 @@ def check_cpu_isa(cpu_isa: str) -> None:
     if cpu_isa not in CPU_ISAS:
         raise ValueError(f"cpu_isa must be one of {CPU_ISAS}, not {cpu_isa!r}.")
     if cpu_isa == "avx2" and not cpu_has_avx2():
-        raise ValueError("cpu_isa='avx2' needs a CPU with AVX2 and FMA; this one has neither.")
+        raise ValueError("cpu_isa='avx2' needs a CPU with AVX2 and FMA; this one lacks them.")
 
 
 def best_dtype(tried: list[EngineSummary], dtypes: list[str]) -> EngineSummary:

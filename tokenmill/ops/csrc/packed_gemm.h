@@ -72,27 +72,6 @@ inline void widen16(const uint16_t* w, __m256& lo, __m256& hi) {  // interleaved
   hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// One register tile: MR activation rows x 16 output channels, over all of K: one sum per output in k
-// order, as tile_widened's for several rows (interleaved partial sums would keep more FMAs in flight
-// with few rows, but round differently), so a row's result is the same bits alone (decode) or among
-// others (prefill, a batch, a speculative verification step), as on AVX-512 (see unroll_for in
-// packed_gemm_avx512.h).
-template <int MR, typename W>
-inline void tile(const float* x, int64_t ldx, const W* panel, int64_t K, __m256 (&out)[MR][2]) {
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) out[i][0] = out[i][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m256 w0, w1;
-    widen16(panel + k * kPanel, w0, w1);
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);
-      out[i][0] = _mm256_fmadd_ps(xv, w0, out[i][0]);
-      out[i][1] = _mm256_fmadd_ps(xv, w1, out[i][1]);
-    }
-  }
-}
-
 // y[0:num_cols] = acc * row_scale * scale + bias for one activation row of a panel.
 inline void store_row(const __m256 (&acc)[2], float row_scale, const float* scale, const float* bias, float* y,
                       int64_t num_cols) {
@@ -110,18 +89,26 @@ inline void store_row(const __m256 (&acc)[2], float row_scale, const float* scal
   }
 }
 
-template <int MR, typename W>
-void rows(const float* x, int64_t ldx, const W* panel, int64_t K, const float* scale, const float* bias, float* y,
-          int64_t ldy, int64_t num_cols) {
-  __m256 out[MR][2];
-  tile<MR, W>(x, ldx, panel, K, out);
-  for (int i = 0; i < MR; ++i) store_row(out[i], 1.0f, scale, bias, y + i * ldy, num_cols);
+// One activation row against one bf16 panel, 16 output channels, over all of K: one sum per output in k
+// order, as tile_widened's for several rows (interleaved partial sums would keep more FMAs in flight,
+// but round differently), so a row's result is the same bits alone (decode) or among others (prefill, a
+// batch, a speculative verification step), as on AVX-512 (see unroll_for in packed_gemm_avx512.h).
+inline void row_panel(const float* x, const uint16_t* panel, int64_t K, const float* scale, const float* bias, float* y,
+                      int64_t num_cols) {
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w0, w1;
+    widen16(panel + k * kPanel, w0, w1);
+    const __m256 xv = _mm256_broadcast_ss(x + k);
+    acc[0] = _mm256_fmadd_ps(xv, w0, acc[0]);
+    acc[1] = _mm256_fmadd_ps(xv, w1, acc[1]);
+  }
+  store_row(acc, 1.0f, scale, bias, y, num_cols);
 }
 
 // One activation row against two panels at once (each broadcast of x feeds both); one sum per output
-// in k order, as tile's.
-template <typename W>
-inline void tile_pair(const float* x, const W* a, const W* b, int64_t K, __m256 (&out)[2][2]) {
+// in k order, as row_panel's.
+inline void tile_pair(const float* x, const uint16_t* a, const uint16_t* b, int64_t K, __m256 (&out)[2][2]) {
   for (auto& panel : out) panel[0] = panel[1] = _mm256_setzero_ps();  // [panel][channels 0-7 | 8-15]
 #pragma GCC unroll 2
   for (int64_t k = 0; k < K; ++k) {
@@ -152,9 +139,8 @@ void two_streams(int64_t begin, int64_t end, Pair pair, Single single) {
   }
 }
 
-template <typename W>
-void gemv_two_streams(const float* x, const W* wp, int64_t K, int64_t N, int64_t begin, int64_t end, const float* scale,
-                      const float* bias, float* y) {
+inline void gemv_two_streams(const float* x, const uint16_t* wp, int64_t K, int64_t N, int64_t begin, int64_t end,
+                             const float* scale, const float* bias, float* y) {
   const auto cols = [&](int64_t p) { return std::min(kPanel, N - p * kPanel); };
   two_streams(
       begin, end,
@@ -165,7 +151,7 @@ void gemv_two_streams(const float* x, const W* wp, int64_t K, int64_t N, int64_t
         store_row(out[1], 1.0f, scale + pb * kPanel, bias + pb * kPanel, y + pb * kPanel, cols(pb));
       },
       [&](int64_t p) {
-        rows<1, W>(x, K, wp + p * K * kPanel, K, scale + p * kPanel, bias + p * kPanel, y + p * kPanel, 0, cols(p));
+        row_panel(x, wp + p * K * kPanel, K, scale + p * kPanel, bias + p * kPanel, y + p * kPanel, cols(p));
       });
 }
 
@@ -174,7 +160,7 @@ void gemv_two_streams(const float* x, const W* wp, int64_t K, int64_t N, int64_t
 // the 6-row tile's 12 FMAs' issue slots on Intel): it held the tiles to ~70% of the FMA peak. So a
 // panel is widened once per chunk of k into an L1-resident float32 buffer that every row tile of the
 // row block then reads, two aligned loads per k. Each output is still one sum in k order (a tile's
-// partial sums wait in `partial` between chunks, stored and reloaded exactly): the same bits as tile's.
+// partial sums wait in `partial` between chunks, stored and reloaded exactly): row_panel's bits.
 constexpr int64_t kChunk = 256;  // k steps widened at once: 256 x 16 float32 = 16 KiB
 
 template <int MR>
