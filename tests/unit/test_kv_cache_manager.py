@@ -123,6 +123,26 @@ def test_blocks_filled_by_generated_tokens_are_cached_too() -> None:
     assert num_cached == 8
 
 
+def test_each_step_indexes_only_the_blocks_it_fills(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    indexed: list[int] = []
+    cache_block = kv.pool.cache_block
+    monkeypatch.setattr(kv.pool, "cache_block", lambda b, h: (indexed.append(b.block_id), cache_block(b, h)))
+    request = make_request("a", [1, 2, 3, 4, 5, 6])
+    allocate_prompt(kv, request)
+    assert indexed == [0]  # the prompt fills block 0
+    request.num_computed_tokens = 6
+    for token in range(7, 15):  # 8 decode steps: tokens 7-14 fill blocks 1 and 2
+        request.output_token_ids.append(token)
+        kv.allocate_slots(request, 1)
+        request.num_computed_tokens += 1
+    assert indexed == [0, 1, 2]  # each block once, in the step that filled it
+    kv.free(request)
+    again = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # the same id after a free starts afresh
+    allocate_prompt(kv, again)
+    assert kv.get_computed_blocks(again)[1] == 8
+
+
 def test_shared_prefix_blocks_are_reference_counted() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=BS)
     first, second = make_request("a", PROMPT_10), make_request("b", PROMPT_10)

@@ -35,6 +35,10 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[Block]] = {}
         # Hashes of each request's full blocks, extended as its tokens become known.
         self.req_hashes: dict[str, list[BlockHash]] = {}
+        # How many of each request's leading blocks are indexed already: a block, once hashed, stays so
+        # while the request holds it, so each step indexes only the blocks it newly fills (not all of
+        # them again: at 256 running requests that rescan was the scheduler's largest cost).
+        self.req_num_indexed: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -118,14 +122,19 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         hashes = self._block_hashes(request)
-        for i in range(min(num_tokens // self.block_size, len(hashes))):
+        start = self.req_num_indexed.get(request.req_id, 0)
+        end = min(num_tokens // self.block_size, len(hashes))
+        for i in range(start, end):
             self.pool.cache_block(blocks[i], hashes[i])
+        if end > start:
+            self.req_num_indexed[request.req_id] = end
 
     def free(self, request: Request) -> None:
         """Give back a request's blocks, tail first, so its last blocks are evicted before its prefix."""
         blocks = self.req_blocks.pop(request.req_id, [])
         self.pool.free_blocks(list(reversed(blocks)))
         self.req_hashes.pop(request.req_id, None)
+        self.req_num_indexed.pop(request.req_id, None)
 
     def get_block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req_id, [])]
