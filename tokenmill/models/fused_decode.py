@@ -24,7 +24,7 @@ from tokenmill.distributed.communication import all_reduce_
 from tokenmill.distributed.parallel_state import tp_world_size
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.ops import build
-from tokenmill.quant.bf16 import Bf16Linear
+from tokenmill.quant.bf16 import PackedFloatLinear
 from tokenmill.quant.grouped import GroupedLinear
 from tokenmill.quant.int8 import Int8Linear
 
@@ -32,7 +32,7 @@ from tokenmill.quant.int8 import Int8Linear
 def _packed(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
     """(packed weight, scale, bias, out_features) of a layer our packed GEMM runs, or (float32 weight,
     empty, bias or empty, out_features) of a float32 nn.Linear; else None."""
-    if isinstance(layer, Bf16Linear):
+    if isinstance(layer, PackedFloatLinear):
         return layer.packed, layer.ones, layer.bias, layer.out_features
     if isinstance(layer, Int8Linear) and layer.kernel == "cpu" and layer.bias is not None:
         return layer.qweight, layer.scale, layer.bias, layer.out_features

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokenmill.quant.bf16 import Bf16Linear
+from tokenmill.quant.bf16 import Bf16Linear, Fp32Linear, PackedFloatLinear
 from tokenmill.quant.grouped import GroupedLinear, GroupedWeight, dequantize_grouped
 from tokenmill.quant.int4 import DEFAULT_GROUP_SIZE, Int4Linear, check_group_size
 from tokenmill.quant.int8 import Int8Linear
@@ -83,6 +83,13 @@ def pack_bf16_weights(model: nn.Module) -> nn.Module:
     """Store the linear layers and LM head as packed bf16 for the C++ kernel (CPUs without bf16
     arithmetic, see bf16.py). The caller checks `tokenmill.ops.packed_gemm.available()` first."""
     return swap_linears(model, Bf16Linear)
+
+
+@torch.no_grad()
+def pack_fp32_weights(model: nn.Module) -> nn.Module:
+    """Store the linear layers and LM head as float32 panels for the C++ kernel (AVX2 builds: see
+    Fp32Linear). The caller checks `tokenmill.ops.packed_gemm.isa() == "avx2"` first."""
+    return swap_linears(model, Fp32Linear)
 
 
 def swap_linears(model: nn.Module, factory: QuantLinearFactory) -> nn.Module:
@@ -151,6 +158,8 @@ register_quant_method("gguf", _gguf)
 
 __all__ = [
     "Bf16Linear",
+    "Fp32Linear",
+    "PackedFloatLinear",
     "GroupedLinear",
     "GroupedWeight",
     "Int4Linear",
@@ -160,6 +169,7 @@ __all__ = [
     "dequantize_grouped",
     "keep_layout_attributes",
     "pack_bf16_weights",
+    "pack_fp32_weights",
     "quant_methods",
     "quantize_model",
     "register_quant_method",

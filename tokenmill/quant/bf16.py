@@ -1,4 +1,5 @@
-"""bf16 weights packed for our C++ GEMM (ops/csrc/packed_gemm.h), float32 activations in and out.
+"""bf16 weights packed for our C++ GEMM (ops/csrc/packed_gemm.h), float32 activations in and out; and float32
+weights in the same panels for AVX2 builds (Fp32Linear).
 
 On CPUs with AVX-512 BF16 the kernel rounds the activation rows to bf16 and multiplies with bf16
 dot-product instructions (float32 sums; k-pair panels); elsewhere (AVX2) it widens the weights to
@@ -12,39 +13,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.ops import packed_gemm
-from tokenmill.quant.panels import PANEL, pack_bf16, unpack_bf16
+from tokenmill.quant.panels import PANEL, pack_bf16, pack_f32, unpack_bf16
 
 
-class Bf16Linear(nn.Module):
-    """y = x @ weight.T + bias with weight [out, in] kept as packed bf16; float32 in and out."""
+class PackedFloatLinear(nn.Module):
+    """y = x @ weight.T + bias with weight [out, in] packed in panels of 16 channels for the C++ GEMM;
+    float32 in and out. Bf16Linear and Fp32Linear pack it."""
 
     packed: torch.Tensor
     ones: torch.Tensor
     bias: torch.Tensor
+    kind = ""  # what the panels hold, for repr
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, row_parallel: bool = False) -> None:
-        """row_parallel (a tensor-parallel shard of the input columns) changes nothing: each shard packs as is."""
+    def __init__(self, packed: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        pad = (-self.out_features) % PANEL
-        self.pairs = packed_gemm.isa() == "avx512"  # the layout the built kernel reads (panels.py)
-        # [P, in, 16] (interleaved) or [P, in + in % 2, 16] (k pairs)
-        self.register_buffer("packed", pack_bf16(weight.detach().to(torch.bfloat16), self.pairs))
-        self.register_buffer("ones", torch.ones(self.out_features + pad))  # the kernel's per-channel scale
-        bias = torch.zeros(self.out_features) if bias is None else bias.detach().float()
+        self.out_features, self.in_features = out_features, in_features
+        pad = (-out_features) % PANEL
+        self.register_buffer("packed", packed)  # [P, in(+1), 16]
+        self.register_buffer("ones", torch.ones(out_features + pad))  # the kernel's per-channel scale
+        bias = torch.zeros(out_features) if bias is None else bias.detach().float()
         self.register_buffer("bias", F.pad(bias, (0, pad)))
-
-    def weight_bf16(self) -> torch.Tensor:
-        """The weight as bf16 [out, in]."""
-        return unpack_bf16(self.packed, self.out_features, self.in_features, self.pairs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         return packed_gemm.packed_linear(x.float().contiguous(), self.packed, self.ones, self.bias, self.out_features)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a [gate | up] projection (the MLP's): [num_tokens, in] -> [num_tokens, out / 2].
-        Where the halves are whole panels, the activation runs in the GEMM's epilogue, so the [num_tokens,
-        out] projection is never written out and read back."""
+        Where the halves are whole panels, the activation runs in the GEMM's epilogue (AVX-512 builds), so
+        the [num_tokens, out] projection is never written out and read back."""
         if self.out_features % (2 * PANEL):
             return split_silu_mul(self(x))
         return packed_gemm.packed_linear_silu_mul(
@@ -52,7 +48,37 @@ class Bf16Linear(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weights=bf16 packed"
+        return f"in_features={self.in_features}, out_features={self.out_features}, weights={self.kind} packed"
+
+
+class Bf16Linear(PackedFloatLinear):
+    """bf16 weights: k pairs for AVX-512 BF16 dot products, else interleaved for widening (panels.py)."""
+
+    kind = "bf16"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, row_parallel: bool = False) -> None:
+        """row_parallel (a tensor-parallel shard of the input columns) changes nothing: each shard packs as is."""
+        self.pairs = packed_gemm.isa() == "avx512"  # the layout the built kernel reads (panels.py)
+        out_features, in_features = weight.shape
+        super().__init__(pack_bf16(weight.detach().to(torch.bfloat16), self.pairs), out_features, in_features, bias)
+
+    def weight_bf16(self) -> torch.Tensor:
+        """The weight as bf16 [out, in]."""
+        return unpack_bf16(self.packed, self.out_features, self.in_features, self.pairs)
+
+
+class Fp32Linear(PackedFloatLinear):
+    """float32 weights, channels in order (AVX2 builds only): a decode batch's few rows run at the FMA
+    peak, where the BLAS sgemm runs them well below it. float32 FMAs either way; each output is one sum
+    in k order, as for bf16 panels."""
+
+    kind = "float32"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, row_parallel: bool = False) -> None:
+        if packed_gemm.isa() != "avx2":
+            raise ValueError(f"float32 panels need the AVX2 build of the packed GEMM, not {packed_gemm.isa()!r}")
+        out_features, in_features = weight.shape
+        super().__init__(pack_f32(weight.detach().float()), out_features, in_features, bias)
 
 
 def split_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The packed weight layouts of the C++ GEMM (ops/csrc/packed_gemm.h): panels of 16 output channels, k-major.
 
+- float32 for AVX2: [P, K, 16], the 16 channels of each k in order (pack_f32).
 - bf16 for AVX2: [P, K, 16], the 16 channels of each k interleaved [0, 8, 1, 9, ..., 7, 15], so the
   kernel splits one 32-byte load into channels 0-7 (the low halves of its 32-bit words) and 8-15
   (the high halves) with one shift and one mask.
@@ -36,6 +37,11 @@ def pack_bf16(w: torch.Tensor, pairs: bool) -> torch.Tensor:
     if pairs:
         return pack_pairs(w)
     return _panels(w, w.shape[1])[:, INTERLEAVE].transpose(1, 2).contiguous()
+
+
+def pack_f32(w: torch.Tensor) -> torch.Tensor:
+    """[out, in] float32 -> [ceil(out / 16), in, 16], channels in order."""
+    return _panels(w, w.shape[1]).transpose(1, 2).contiguous()
 
 
 def unpack_bf16(packed: torch.Tensor, out_features: int, in_features: int, pairs: bool) -> torch.Tensor:

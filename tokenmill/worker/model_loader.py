@@ -18,7 +18,15 @@ from tokenmill.loader.gguf_weights import GGUFWeights
 from tokenmill.models.layers.rotary import RotaryEmbedding
 from tokenmill.models.registry import model_class
 from tokenmill.ops import hugepages, packed_gemm
-from tokenmill.quant import Bf16Linear, GroupedLinear, Int8Linear, QuantOptions, pack_bf16_weights, quantize_model
+from tokenmill.quant import (
+    GroupedLinear,
+    Int8Linear,
+    PackedFloatLinear,
+    QuantOptions,
+    pack_bf16_weights,
+    pack_fp32_weights,
+    quantize_model,
+)
 from tokenmill.worker.gguf_native import attach_gguf_linears
 from tokenmill.worker.model_interface import LoadsWeights
 
@@ -54,6 +62,9 @@ def load_model(config: ModelConfig, folder: Path | None, backend: AttentionBacke
     elif config.weight_dtype == "bfloat16" and device == "cpu":
         if packed_gemm.available():  # half the bytes per decode step; the same numbers
             pack_bf16_weights(model)
+    elif config.dtype == "float32" and config.weight_dtype is None and device == "cpu":
+        if packed_gemm.isa() == "avx2":  # a decode batch at the FMA peak (see Fp32Linear); the same arithmetic
+            pack_fp32_weights(model)
     if device == "cpu":
         place_packed_weights(model)
     return model.eval()
@@ -74,7 +85,7 @@ def place_packed_weights(model: nn.Module) -> None:
     owners = [
         (module, name)
         for module in model.modules()
-        if isinstance(module, (Bf16Linear, Int8Linear, GroupedLinear))
+        if isinstance(module, (PackedFloatLinear, Int8Linear, GroupedLinear))
         for name, buffer in module.named_buffers(recurse=False)
         if buffer.device.type == "cpu"
     ]

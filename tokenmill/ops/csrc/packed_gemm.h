@@ -2,7 +2,9 @@
 //
 // The weights are bf16 (scale 1) or int8 (per-channel scale), packed once into panels of 16 output
 // channels, k-major, so decode, which is bound by reading the weights, moves 1/2 (bf16) or 1/4 (int8)
-// of the bytes of fp32 weights, in long sequential streams.
+// of the bytes of fp32 weights, in long sequential streams. AVX2 builds also take float32 panels
+// ([P, K, 16], channels in order): the bf16 kernels without the widening, for dtype float32, where
+// the BLAS sgemm runs a decode batch's few rows well below the FMA peak.
 // - bf16 panels: [P, K, 16] with the channels of each k interleaved [0, 8, 1, 9, ..., 7, 15]: one
 //   32-byte load splits into channels 0-7 and 8-15 (float32) with one shift and one mask, feeding
 //   FMAs against float32 activations.
@@ -15,7 +17,7 @@
 //   float32 GEMM.
 // - bf16 panels are widened in registers at one row (a shift and a mask per 16 weights, hidden behind
 //   the memory stream), and for more rows once per chunk of k into an L1 buffer that every row tile
-//   reads (bf16_panel_rows): at the FMA peak from ~32 rows up, the BLAS sgemm's rate, without a
+//   reads (panel_rows): at the FMA peak from ~32 rows up, the BLAS sgemm's rate, without a
 //   widened float32 copy of the whole weight, so at every row count.
 // These are the AVX2 layouts and kernels; CPUs with AVX-512 BF16 and VNNI take packed_gemm_avx512.h
 // (bf16 in k pairs, int8 in k quads against int8 activation groups) at every row count.
@@ -60,6 +62,7 @@ inline float weight_at(const uint16_t* panel, int64_t k, int64_t c) {  // bf16 i
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+inline float weight_at(const float* panel, int64_t k, int64_t c) { return panel[k * kPanel + c]; }
 inline float weight_at(const int8_t* panel, int64_t k, int64_t c) {
   return static_cast<float>(panel[(k / 2) * 2 * kPanel + 2 * c + (k % 2)]);
 }
@@ -70,6 +73,10 @@ inline void widen16(const uint16_t* w, __m256& lo, __m256& hi) {  // interleaved
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
   lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
   hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void widen16(const float* w, __m256& lo, __m256& hi) {  // float32 panels: in order, nothing to widen
+  lo = _mm256_loadu_ps(w);
+  hi = _mm256_loadu_ps(w + 8);
 }
 
 // y[0:num_cols] = acc * row_scale * scale + bias for one activation row of a panel.
@@ -89,11 +96,12 @@ inline void store_row(const __m256 (&acc)[2], float row_scale, const float* scal
   }
 }
 
-// One activation row against one bf16 panel, 16 output channels, over all of K: one sum per output in k
+// One activation row against one bf16 (or float32) panel, 16 output channels, over all of K: one sum per output in k
 // order, as tile_widened's for several rows (interleaved partial sums would keep more FMAs in flight,
 // but round differently), so a row's result is the same bits alone (decode) or among others (prefill, a
 // batch, a speculative verification step), as on AVX-512 (see unroll_for in packed_gemm_avx512.h).
-inline void row_panel(const float* x, const uint16_t* panel, int64_t K, const float* scale, const float* bias, float* y,
+template <typename W>
+inline void row_panel(const float* x, const W* panel, int64_t K, const float* scale, const float* bias, float* y,
                       int64_t num_cols) {
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t k = 0; k < K; ++k) {
@@ -108,7 +116,8 @@ inline void row_panel(const float* x, const uint16_t* panel, int64_t K, const fl
 
 // One activation row against two panels at once (each broadcast of x feeds both); one sum per output
 // in k order, as row_panel's.
-inline void tile_pair(const float* x, const uint16_t* a, const uint16_t* b, int64_t K, __m256 (&out)[2][2]) {
+template <typename W>
+inline void tile_pair(const float* x, const W* a, const W* b, int64_t K, __m256 (&out)[2][2]) {
   for (auto& panel : out) panel[0] = panel[1] = _mm256_setzero_ps();  // [panel][channels 0-7 | 8-15]
 #pragma GCC unroll 2
   for (int64_t k = 0; k < K; ++k) {
@@ -139,7 +148,8 @@ void two_streams(int64_t begin, int64_t end, Pair pair, Single single) {
   }
 }
 
-inline void gemv_two_streams(const float* x, const uint16_t* wp, int64_t K, int64_t N, int64_t begin, int64_t end,
+template <typename W>
+inline void gemv_two_streams(const float* x, const W* wp, int64_t K, int64_t N, int64_t begin, int64_t end,
                              const float* scale, const float* bias, float* y) {
   const auto cols = [&](int64_t p) { return std::min(kPanel, N - p * kPanel); };
   two_streams(
@@ -196,19 +206,27 @@ inline void with_rows(int64_t rows, F&& f) {
   }
 }
 
-// Rows [m0, m1) (at most kRowBlock) of x [M, K] against one bf16 panel -> y's 16 (num_cols) columns of
-// those rows. wbuf: kChunk * 16 floats, 32-byte aligned; partial: kRowBlock * 16 floats.
-inline void bf16_panel_rows(const float* x, int64_t K, int64_t m0, int64_t m1, const uint16_t* panel,
-                            const float* scale, const float* bias, float* y, int64_t ldy, int64_t num_cols, float* wbuf,
-                            float* partial) {
+// k steps [k0, k0 + n) of a panel as float32, [n, 16], 32-byte aligned: bf16 widened into wbuf (kChunk * 16
+// floats, aligned); a float32 panel (32-byte aligned, as check_packed requires) is read in place.
+inline const float* chunk_of(const uint16_t* panel, int64_t k0, int64_t n, float* wbuf) {
+  for (int64_t k = 0; k < n; ++k) {
+    __m256 lo, hi;
+    widen16(panel + (k0 + k) * kPanel, lo, hi);
+    _mm256_store_ps(wbuf + k * kPanel, lo);
+    _mm256_store_ps(wbuf + k * kPanel + 8, hi);
+  }
+  return wbuf;
+}
+inline const float* chunk_of(const float* panel, int64_t k0, int64_t, float*) { return panel + k0 * kPanel; }
+
+// Rows [m0, m1) (at most kRowBlock) of x [M, K] against one bf16 or float32 panel -> y's 16 (num_cols)
+// columns of those rows. wbuf: kChunk * 16 floats, 32-byte aligned; partial: kRowBlock * 16 floats.
+template <typename W>
+inline void panel_rows(const float* x, int64_t K, int64_t m0, int64_t m1, const W* panel, const float* scale,
+                       const float* bias, float* y, int64_t ldy, int64_t num_cols, float* wbuf, float* partial) {
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
     const int64_t n = std::min(kChunk, K - k0);
-    for (int64_t k = 0; k < n; ++k) {
-      __m256 lo, hi;
-      widen16(panel + (k0 + k) * kPanel, lo, hi);
-      _mm256_store_ps(wbuf + k * kPanel, lo);
-      _mm256_store_ps(wbuf + k * kPanel + 8, hi);
-    }
+    const float* w = chunk_of(panel, k0, n, wbuf);
     const bool first = k0 == 0, last = k0 + n == K;
     for (int64_t m = m0; m < m1; m += kRows) {
       with_rows(std::min(kRows, m1 - m), [&](auto rows) {
@@ -220,7 +238,7 @@ inline void bf16_panel_rows(const float* x, int64_t K, int64_t m0, int64_t m1, c
           out[i][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(part + i * kPanel);
           out[i][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(part + i * kPanel + 8);
         }
-        tile_widened<MR>(x + m * K + k0, K, wbuf, n, out);
+        tile_widened<MR>(x + m * K + k0, K, w, n, out);
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
           if (last) {
@@ -402,7 +420,7 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
   return avx512::linear(x, wp, P, KP, scale, bias, N);
 #endif
 #ifdef TM_AVX2
-  constexpr bool tiled_at_every_row_count = std::is_same_v<W, uint16_t>;  // bf16_panel_rows
+  constexpr bool tiled_at_every_row_count = !std::is_same_v<W, int8_t>;  // panel_rows
 #else
   constexpr bool tiled_at_every_row_count = false;
 #endif
@@ -429,8 +447,8 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t P, int64_t KP, const
         float partial[kRowBlock * kPanel];
         for (int64_t p = begin; p < end; ++p) {
           const int64_t n0 = p * kPanel;
-          bf16_panel_rows(xp, K, m0, m1, wp + p * KP * kPanel, sp + n0, bp + n0, yp + n0, N, std::min(kPanel, N - n0),
-                          wbuf, partial);
+          panel_rows(xp, K, m0, m1, wp + p * KP * kPanel, sp + n0, bp + n0, yp + n0, N, std::min(kPanel, N - n0), wbuf,
+                     partial);
         }
       });
     }
@@ -471,12 +489,15 @@ inline void check_packed(const at::Tensor& packed, const at::Tensor& scale, cons
   }
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(), "packed: contiguous [P, K, 16]");
   const int64_t P = packed.size(0), KP = packed.size(1);
-  const bool int8 = packed.scalar_type() == at::kChar;
-  TORCH_CHECK(int8 || packed.scalar_type() == at::kBFloat16, "packed weights must be int8 or bfloat16");
+  const bool int8 = packed.scalar_type() == at::kChar, f32 = packed.scalar_type() == at::kFloat;
+  TORCH_CHECK(int8 || f32 || packed.scalar_type() == at::kBFloat16, "packed weights must be int8, bfloat16 or float32");
 #ifdef TM_AVX512  // bf16 panels in k pairs, int8 in k quads of whole groups (quant/panels.py)
+  TORCH_CHECK(!f32, "float32 panels are for AVX2 builds; this build's float32 layers run at::linear");
   const int64_t expected = int8 ? (K + avx512::kGroup - 1) / avx512::kGroup * avx512::kGroup : K + K % 2;
 #else
   const int64_t expected = int8 ? K + K % 2 : K;
+  // panel_rows reads float32 panels in place with aligned loads
+  TORCH_CHECK(!f32 || reinterpret_cast<uintptr_t>(packed.data_ptr()) % 32 == 0, "float32 panels: 32-byte aligned");
 #endif
   TORCH_CHECK(KP == expected, "x has ", K, " features, the weight ", KP, " (expected ", expected, ")");
   TORCH_CHECK(P * kPanel >= N && scale.numel() == P * kPanel && bias.numel() == P * kPanel &&
@@ -501,8 +522,10 @@ inline at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, c
 #else
   const at::Tensor y =
       grouped_levels ? grouped::linear(x, packed, scale, bias, N)
-      : int8 ? linear(x, packed.data_ptr<int8_t>(), P, KP, scale, bias, N)
-             : linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, KP, scale, bias, N);
+      : int8         ? linear(x, packed.data_ptr<int8_t>(), P, KP, scale, bias, N)
+      : packed.scalar_type() == at::kFloat
+          ? linear(x, packed.data_ptr<float>(), P, KP, scale, bias, N)
+          : linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, KP, scale, bias, N);
   if (!silu_mul) return y;
   return at::silu(y.narrow(1, 0, N / 2)).mul_(y.narrow(1, N / 2, N / 2));
 #endif
