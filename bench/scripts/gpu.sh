@@ -19,7 +19,7 @@ py=${PYTHON:-python3}
 budget=${GPU_SH_BUDGET_S:-480}
 start=$SECONDS
 
-if compgen -G ".whl/*.whl" >/dev/null; then
+if [ "${GPU_SH_SMOKE:-0}" != 1 ] && compgen -G ".whl/*.whl" >/dev/null; then
     $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         >"$out/pip.log" 2>&1 || { echo "installing .whl/ failed: $out/pip.log"; cat "$out/pip.log"; }
     export PYTHONPATH=/tmp/site
@@ -30,11 +30,11 @@ export PYTHONUNBUFFERED=1
 if [ "${GPU_SH_SMOKE:-0}" = 1 ]; then
     device=cpu small=qwen3-0.6b big=smollm2-135m
     sizes=(--num-prompts 4 --max-prompt-len 64 --max-output-len 8)
-    slice=4 sharegpt=4
+    slice=4 sharegpt=4 profile_steps=(--skip-steps 2 --steps 3)
 else
     device=cuda small=qwen3-0.6b big=llama-3-8b
     sizes=()
-    slice=64 sharegpt=1000
+    slice=64 sharegpt=1000 profile_steps=()
 fi
 # vLLM's GPU defaults: 256 running sequences, 8192 tokens a step (tokenmill's defaults are sized for a CPU).
 gpu_args=(--load-format dummy --device "$device" --max-num-seqs 256 --max-num-batched-tokens 8192)
@@ -80,6 +80,8 @@ run_step() {
     # accepted, the mechanism's best case), each on the 64-request slice.
     int8) step int8 120 "${tm[@]}" --workload random-gpu --model $small "${gpu_args[@]}" --num-prompts $slice "${sizes[@]:2}" --quantization int8 --output-json "$out/int8.json" ;;
     spec_same_draft) step spec_same_draft 120 "${tm[@]}" --workload random-gpu --model $small "${gpu_args[@]}" --num-prompts $slice "${sizes[@]:2}" --speculative-config "{\"method\": \"draft_model\", \"model\": \"$small\", \"num_speculative_tokens\": 4}" --output-json "$out/spec_same_draft.json" ;;
+    # Where a decode step's time goes: the host's phases and the device's kernels (torch.profiler).
+    profile) step profile 120 $py bench/scripts/gpu_profile.py --workload random-gpu --model $small "${gpu_args[@]}" "${sizes[@]}" "${profile_steps[@]}" --out-dir "$out/profile" ;;
     roofline) step roofline 90 $py bench/scripts/gpu_roofline.py --model $small --device "$device" --output-json "$out/roofline.json" "$out"/random_gpu*.json "$out/continuous_64.json" ;;
     roofline_8b) step roofline_8b 60 $py bench/scripts/gpu_roofline.py --model $big --device "$device" --output-json "$out/roofline_8b.json" "$out/sharegpt_8b.json" ;;
     *) echo "unknown step $1" ;;
@@ -88,7 +90,7 @@ run_step() {
 
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env test_kernels test_e2e random_gpu random_gpu_eager sharegpt_8b hf_slice tokenmill_slice
-    continuous_64 static_64 roofline roofline_8b int8 spec_same_draft)
+    continuous_64 static_64 roofline roofline_8b profile int8 spec_same_draft)
 for name in "${steps[@]}"; do run_step "$name"; done
 
 echo "== summary ($((SECONDS - start))s)"
