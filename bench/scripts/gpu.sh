@@ -4,7 +4,7 @@
 #   bash bench/scripts/gpu.sh OUT_DIR [STEP ...]     # the steps (run_step below) in this order; none: all
 #
 # The machine's own torch (CUDA), Triton and transformers stay; what tokenmill needs beside them and the
-# machine lacks travels as wheels in .whl/ (docs/gpu.md says which and how) and is
+# machine lacks travels as wheels in .whl/ (bench/scripts/gpu_wheels.sh fetches them) and is
 # installed into /tmp/site. Every step has a time limit, and the whole run a budget (GPU_SH_BUDGET_S
 # seconds, default 480): a step that would start past it is skipped and says so, so the summary and
 # OUT_DIR/steps.tsv always come back. GPU_SH_SMOKE=1 runs the same steps tiny, on the CPU, to check this
