@@ -58,9 +58,10 @@ class Bf16Linear(PackedFloatLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, row_parallel: bool = False) -> None:
         """row_parallel (a tensor-parallel shard of the input columns) changes nothing: each shard packs as is."""
-        self.pairs = packed_gemm.isa() == "avx512"  # the layout the built kernel reads (panels.py)
+        pairs = packed_gemm.isa() == "avx512"  # the layout the built kernel reads (panels.py)
         out_features, in_features = weight.shape
-        super().__init__(pack_bf16(weight.detach().to(torch.bfloat16), self.pairs), out_features, in_features, bias)
+        super().__init__(pack_bf16(weight.detach().to(torch.bfloat16), pairs), out_features, in_features, bias)
+        self.pairs = pairs
 
     def weight_bf16(self) -> torch.Tensor:
         """The weight as bf16 [out, in]."""
