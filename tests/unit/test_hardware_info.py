@@ -62,6 +62,7 @@ def test_an_avx512_bf16_cpu_is_described_with_its_dot_product_paths(monkeypatch:
     assert paths.build == "avx512"
     assert paths.auto_dtype == "bfloat16"
     assert "AVX-512 BF16 dot products" in paths.bf16_weights
+    assert "sgemm" in paths.float32_weights  # float32 panels are the AVX2 build's
     assert "VNNI" in paths.int8_weights
     assert "AVX-512 paged attention" in paths.attention
     assert paths.int8_kv_cache == "yes"
@@ -72,6 +73,7 @@ def test_an_avx2_cpu_is_described_with_its_widening_paths(monkeypatch: pytest.Mo
     assert paths.build == "avx2"
     assert paths.auto_dtype == "bfloat16"  # bf16 weights widened in registers
     assert paths.bf16_weights == "widened to float32 in the GEMM (AVX2 FMA)"
+    assert paths.float32_weights == "AVX2 FMA tiles on float32 panels"
     assert "AVX2 int16" in paths.int8_weights
     assert "portable C++ paged decode" in paths.attention
     assert paths.int8_kv_cache.startswith("no")

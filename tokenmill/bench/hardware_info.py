@@ -44,6 +44,7 @@ class KernelPaths:
     build: str  # "avx512", "avx2" or "scalar": the instruction set the compiled kernels use
     auto_dtype: str  # what dtype="auto" picks for a 16-bit (bf16/fp16) checkpoint
     bf16_weights: str
+    float32_weights: str
     int8_weights: str
     int4_weights: str
     attention: str
@@ -90,6 +91,9 @@ def isa_flags() -> dict[str, bool]:
     return {name: flag in flags for name, flag in ISA_FLAGS.items()}
 
 
+_SGEMM = "the BLAS sgemm (torch's float32 matmul)"
+
+
 def kernel_paths(isa: dict[str, bool]) -> KernelPaths:
     """The paths the kernels compile to for these flags under the current TOKENMILL_CPU_ISA."""
     avx512 = build.cpu_has_avx512_bf16() and all(isa.get(flag, False) for flag in _AVX512_KERNEL_FLAGS)
@@ -98,6 +102,7 @@ def kernel_paths(isa: dict[str, bool]) -> KernelPaths:
             build="avx512",
             auto_dtype=resolve_dtype("auto", "cpu", "bfloat16"),
             bf16_weights="AVX-512 BF16 dot products (vdpbf16ps), float32 sums",
+            float32_weights=_SGEMM,
             int8_weights="VNNI int8 dot products (vpdpbusd), activations in groups of 32",
             int4_weights="unpacked in registers, VNNI int8 dot products (vpdpbusd), activations in groups of 32",
             attention="AVX-512 paged attention over a bf16/int8 cache, decode and prompt rows",
@@ -108,6 +113,7 @@ def kernel_paths(isa: dict[str, bool]) -> KernelPaths:
         build="avx2" if build.cpu_has_avx2() else "scalar",
         auto_dtype=resolve_dtype("auto", "cpu", "bfloat16"),
         bf16_weights=widened,
+        float32_weights="AVX2 FMA tiles on float32 panels" if build.cpu_has_avx2() else _SGEMM,
         int8_weights="AVX2 int16 multiply-adds (vpmaddwd)" if build.cpu_has_avx2() else "scalar int8",
         int4_weights="AVX2 vpmaddubsw on activations in int8 groups of 32" if build.cpu_has_avx2() else "scalar int4",
         attention="portable C++ paged decode; prompt chunks through PyTorch SDPA",
@@ -192,6 +198,7 @@ def format_info(info: HardwareInfo) -> str:
         ("kernel build", f"{paths.build} (TOKENMILL_CPU_ISA={info.cpu_isa_setting})"),
         ('dtype="auto" (16-bit checkpoint)', paths.auto_dtype),
         ("bf16 weights", paths.bf16_weights),
+        ("float32 weights", paths.float32_weights),
         ("int8 weights", paths.int8_weights),
         ("int4 weights", paths.int4_weights),
         ("attention", paths.attention),

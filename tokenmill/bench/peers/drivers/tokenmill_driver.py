@@ -83,7 +83,7 @@ def _kernel_paths(dtype: str) -> str:
     from tokenmill.bench.hardware_info import isa_flags, kernel_paths
 
     paths = kernel_paths(isa_flags())
-    weights = {"int8": paths.int8_weights, "float32": "float32 GEMMs"}.get(dtype, paths.bf16_weights)
+    weights = {"int8": paths.int8_weights, "float32": paths.float32_weights}.get(dtype, paths.bf16_weights)
     if dtype in ("q4_0", "q4_1"):
         weights = paths.int4_weights
     return f"{paths.build} kernels; {weights}"
