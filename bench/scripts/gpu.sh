@@ -28,7 +28,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 
 if [ "${GPU_SH_SMOKE:-0}" = 1 ]; then
-    device=cpu small=qwen3-0.6b big=smollm2-135m
+    device=cpu small=smollm2-135m big=smollm2-135m
     sizes=(--num-prompts 4 --max-prompt-len 64 --max-output-len 8)
     slice=4 sharegpt=4 profile_steps=(--skip-steps 2 --steps 3)
 else
