@@ -27,7 +27,9 @@ def main() -> None:
     args = parser.parse_args()
     kv = "int8" if args.quantization == "int8" else "auto"
     llm = LLM(dtype="bfloat16", quantization=args.quantization, kv_cache_dtype=kv, max_num_seqs=max(args.rows))
-    model = llm.engine.runner.model
+    fused = llm.engine.runner.fused_decode
+    if fused is None:
+        raise SystemExit(f"no fused decode stack here: {llm.engine.runner.fused_decode_off_reason}")
     print(
         f"{args.quantization or 'bf16'} weights, {kv} KV cache, context {args.context}: model forward ms "
         f"(median of {args.rounds} x 10 steps per setting, interleaved)"
@@ -36,8 +38,8 @@ def main() -> None:
     with torch.inference_mode():
         for rows in args.rows:
             inputs = decode_inputs(llm, rows, args.context)
-            model(*inputs)  # binds the stack
-            stack = model.fused_decode._stack
+            fused(*inputs)  # binds the stack
+            stack = fused._stack
             if not stack.one_region:
                 raise SystemExit("the decode stack does not run in one region here (no AVX-512 kernels?)")
             times: dict[bool, list[float]] = {True: [], False: []}
@@ -46,7 +48,7 @@ def main() -> None:
                     stack.one_region = one_region
                     for _ in range(10):
                         start = time.perf_counter()
-                        model(*inputs)
+                        fused(*inputs)
                         times[one_region].append(time.perf_counter() - start)
             stack.one_region = True
             one, per_op = (statistics.median(times[k]) for k in (True, False))
