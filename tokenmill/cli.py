@@ -96,6 +96,17 @@ def cmd_chat(args: argparse.Namespace) -> None:
         history.append({"role": "assistant", "content": reply})
 
 
+def _add_unavailable_serve_parser(sub: argparse._SubParsersAction, missing: ModuleNotFoundError) -> None:
+    """`serve` where the server's libraries are missing: it says which and how to get them."""
+    serve = sub.add_parser("serve", help=f"unavailable here: {missing}")
+    serve.add_argument("args", nargs=argparse.REMAINDER)
+
+    def fail(args: argparse.Namespace) -> None:
+        raise RuntimeError(f"tokenmill serve needs the server's libraries ({missing}); pip install -e . installs them")
+
+    serve.set_defaults(func=fail)
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="tokenmill", description="A high-throughput LLM inference engine.")
@@ -113,10 +124,16 @@ def main(argv: list[str] | None = None) -> None:
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    from tokenmill.fleet.cli import add_fleet_args
-    from tokenmill.server.cli import add_serve_parser
+    try:
+        from tokenmill.server.cli import add_serve_parser
+    except ModuleNotFoundError as exc:  # a library only the server uses (fastapi, ...): the rest still works
+        if (exc.name or "").split(".")[0] == "tokenmill":
+            raise
+        _add_unavailable_serve_parser(sub, exc)
+    else:
+        from tokenmill.fleet.cli import add_fleet_args
 
-    add_fleet_args(add_serve_parser(sub))
+        add_fleet_args(add_serve_parser(sub))
 
     from tokenmill.bench.cli import add_bench_parser
 
