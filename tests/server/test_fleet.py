@@ -97,7 +97,10 @@ def test_streamed_chat_equals_the_unstreamed_one(client: openai.OpenAI) -> None:
         client.chat.completions.create(stream=True, temperature=0.0, extra_body={"ignore_eos": True}, **kwargs)  # type: ignore[call-overload]
     )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert len(chunks) > 2 and streamed == whole.choices[0].message.content
+    assert streamed == whole.choices[0].message.content
+    # Deltas that queue while the client reads are merged into one chunk (AsyncEngine._outputs), so how
+    # many chunks carry the six tokens depends on timing; the stream still ends with its own reason.
+    assert len(chunks) >= 2 and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
 def test_a_request_without_the_api_key_is_refused(fleet: str) -> None:
