@@ -234,8 +234,11 @@ inline void panel_rows(const float* x, int64_t K, int64_t m0, int64_t m1, const 
     const int64_t n = std::min(kChunk, K - k0);
     const float* w = chunk_of(panel, k0, n, wbuf);
     const bool first = k0 == 0, last = k0 + n == K;
-    for (int64_t m = m0; m < m1; m += kRows) {
-      with_rows(std::min(kRows, m1 - m), [&](auto rows) {
+    // The rows split evenly over the fewest tiles (7 rows: 4 + 3, not 6 + 1): a tile of r rows keeps 2r
+    // FMA chains, so one of fewer than 4 rows waits on the FMA latency.
+    const int64_t tiles = (m1 - m0 + kRows - 1) / kRows, base = (m1 - m0) / tiles, extra = (m1 - m0) % tiles;
+    for (int64_t tile = 0, m = m0; tile < tiles; m += base + (tile < extra), ++tile) {
+      with_rows(base + (tile < extra), [&](auto rows) {
         constexpr int MR = decltype(rows)::value;
         float* part = partial + (m - m0) * kPanel;
         __m256 out[MR][2];
