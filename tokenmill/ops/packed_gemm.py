@@ -22,6 +22,18 @@ def isa() -> str:
     return str(torch.ops.tokenmill_quant.packed_gemm_isa()) if available() else "none"
 
 
+def amx() -> bool:
+    """True where bf16 layers run on AMX tiles (csrc/packed_gemm_amx.h): the build has AMX-BF16 (a CPU
+    with amx_bf16, TOKENMILL_CPU_ISA=native) and the kernel granted this process the tile state."""
+    return available() and bool(torch.ops.tokenmill_quant.packed_gemm_amx())
+
+
+def set_amx(on: bool) -> bool:
+    """Switch the AMX path on (where the build and the kernel allow it) or off, for every later call
+    (the weights are the same for both paths); returns amx()."""
+    return available() and bool(torch.ops.tokenmill_quant.packed_gemm_set_amx(on))
+
+
 def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, out_features: int
 ) -> torch.Tensor:

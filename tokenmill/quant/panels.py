@@ -4,9 +4,10 @@
 - bf16 for AVX2: [P, K, 16], the 16 channels of each k interleaved [0, 8, 1, 9, ..., 7, 15], so the
   kernel splits one 32-byte load into channels 0-7 (the low halves of its 32-bit words) and 8-15
   (the high halves) with one shift and one mask.
-- k pairs (int8, and bf16 for AVX-512 BF16): [P, K/2, 16, 2] stored as [P, K, 16] (K padded to
-  even): each channel's weights for k and k+1 side by side, the operand order of the kernel's pair
-  multiply-adds (vpmaddwd, vdpbf16ps).
+- k pairs (int8 for AVX2, and bf16 for AVX-512 BF16): [P, K/2, 16, 2] stored as [P, K, 16]: each
+  channel's weights for k and k+1 side by side, the operand order of the kernel's pair multiply-adds
+  (vpmaddwd, vdpbf16ps). K is padded to even, for bf16 to whole groups of GROUP: 16 pair rows of a
+  panel are then an AMX B tile as they lie (ops/csrc/packed_gemm_amx.h).
 - int8 k quads for AVX-512 VNNI: [P, K/4, 16, 4] stored as [P, K, 16] (K padded to whole groups of
   GROUP), each channel's weights for k..k+3 side by side and offset by 128 (stored bits = w ^ 0x80):
   the unsigned operand of vpdpbusd.
@@ -33,9 +34,10 @@ def _panels(w: torch.Tensor, in_padded: int) -> torch.Tensor:
 
 
 def pack_bf16(w: torch.Tensor, pairs: bool) -> torch.Tensor:
-    """[out, in] bf16 -> [ceil(out / 16), in, 16] interleaved, or k pairs (`pairs`, see pack_pairs)."""
+    """[out, in] bf16 -> [ceil(out / 16), in, 16] interleaved, or k pairs of whole groups (`pairs`, see
+    pack_pairs)."""
     if pairs:
-        return pack_pairs(w)
+        return pack_pairs(w, GROUP)
     return _panels(w, w.shape[1])[:, INTERLEAVE].transpose(1, 2).contiguous()
 
 
@@ -50,9 +52,9 @@ def unpack_bf16(packed: torch.Tensor, out_features: int, in_features: int, pairs
     return packed[:, :, torch.argsort(INTERLEAVE)].transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
 
 
-def pack_pairs(w: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> [ceil(out / 16), in + in % 2, 16] holding [P, K/2, 16, 2]."""
-    in_padded = w.shape[1] + w.shape[1] % 2
+def pack_pairs(w: torch.Tensor, multiple: int = 2) -> torch.Tensor:
+    """[out, in] -> [ceil(out / 16), in rounded up to `multiple` (even), 16] holding [P, K/2, 16, 2]."""
+    in_padded = -(-w.shape[1] // multiple) * multiple
     panels = _panels(w, in_padded).view(-1, PANEL, in_padded // 2, 2)
     return panels.permute(0, 2, 1, 3).reshape(-1, in_padded, PANEL).contiguous()
 

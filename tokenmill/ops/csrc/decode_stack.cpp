@@ -278,9 +278,11 @@ class DecodeStack {
 
   // A GEMM's activation rows, each prepared by the thread that owns the row: int8 groups ([M, KP]
   // values, [M, KP / 32] scales and offsets) or bf16 tiles ([ceil(M / 8)][KP / 2][8] pairs), KP
-  // the GEMM's padded in-features (the buffers fit the largest).
+  // the GEMM's padded in-features (the buffers fit the largest); with AMX, bf16 rows as the tiles
+  // read them (tiles then holds [ceil(M / 16) * 16, KP] bf16).
   struct Rows {
     at::Tensor values, scales, offsets, tiles;
+    bool amx = false;  // bf16 GEMMs on AMX tiles (gemm::amx_on, read once a step)
   };
 
   Rows rows_for(int64_t M) const {
@@ -288,9 +290,9 @@ class DecodeStack {
     for (const Layer& l : layers_)
       for (const PackedLinear* w : {&l.qkv, &l.o, &l.gate_up, &l.down}) kp = std::max(kp, std::get<0>(*w).size(1));
     const auto i32 = at::TensorOptions().dtype(at::kInt);
-    return {at::empty({M * kp}, i32.dtype(at::kChar)),
-            at::empty({M * kp / gemm::avx512::kGroup}, i32.dtype(at::kFloat)),
-            at::empty({M * kp / gemm::avx512::kGroup}, i32), at::empty({(M + 7) / 8 * 8 * kp / 2}, i32)};
+    return {
+        at::empty({M * kp}, i32.dtype(at::kChar)), at::empty({M * kp / gemm::avx512::kGroup}, i32.dtype(at::kFloat)),
+        at::empty({M * kp / gemm::avx512::kGroup}, i32), at::empty({(M + 15) / 16 * 16 * kp / 2}, i32), gemm::amx_on()};
   }
 
   // Rows [m0, m1) of x ([M, K] float32, K the GEMM's in-features) into rows, as w's GEMM reads
@@ -300,6 +302,13 @@ class DecodeStack {
     const int64_t KP = weight.size(1), G = KP / gemm::avx512::kGroup;
     constexpr int64_t kTile = gemm::avx512::kRows;
     const bool q8 = weight.scalar_type() != at::kBFloat16;  // int8 and grouped weights take int8 groups
+#ifdef TM_AMX
+    if (!q8 && rows.amx) {
+      for (int64_t m = m0; m < m1; ++m)
+        gemm::amx::bf16_row(x + m * K, K, KP, reinterpret_cast<uint16_t*>(rows.tiles.data_ptr<int32_t>()) + m * KP);
+      return;
+    }
+#endif
     for (int64_t m = m0; m < m1; m += q8 ? 1 : kTile) {
       if (q8)
         gemm::avx512::quantize_q8_row(x + m * K, K, KP, rows.values.data_ptr<int8_t>() + m * KP,
@@ -335,6 +344,13 @@ class DecodeStack {
     else if (weight.scalar_type() == at::kByte)
       run(weight.data_ptr<uint8_t>(), rows.values.data_ptr<int8_t>(), rows.scales.data_ptr<float>(),
           rows.offsets.data_ptr<int32_t>());
+#ifdef TM_AMX
+    else if (rows.amx)
+      gemm::amx::run_share({reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), P, KP,
+                            reinterpret_cast<const uint16_t*>(rows.tiles.data_ptr<int32_t>()),
+                            std::get<2>(w).data_ptr<float>(), y, N, silu_mul ? N / 2 : N, silu_mul ? P / 2 : 0},
+                           M, t, threads);
+#endif
     else
       run(reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), rows.tiles.data_ptr<int32_t>(), nullptr,
           nullptr);

@@ -43,6 +43,9 @@
 #define TM_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define TM_AVX512 1  // bf16 and int8 dot products: packed_gemm_avx512.h
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define TM_AMX 1  // bf16 layers on AMX tiles: packed_gemm_amx.h
+#endif
 #endif
 #endif
 
@@ -377,11 +380,35 @@ inline void int8_small(const Int16Rows& q, int64_t M, const int8_t* wp, int64_t 
 #ifdef TM_AVX512
 #include "packed_gemm_avx512.h"
 #endif
+#ifdef TM_AMX
+#include "packed_gemm_amx.h"
+#endif
 
 namespace tokenmill::gemm {
 
+// Whether bf16 layers run on AMX tiles (packed_gemm_amx.h): built with AMX-BF16, granted the tile
+// state by the kernel and not switched off. Otherwise they run the AVX-512 dot products (the same
+// packed weights, so the switch can flip between calls).
+inline bool amx_on() {
+#ifdef TM_AMX
+  return amx::enabled();
+#else
+  return false;
+#endif
+}
+
+// Switches the AMX path on (where amx::permitted) or off; returns amx_on().
+inline bool set_amx(bool on) {
+#ifdef TM_AMX
+  return amx::set_enabled(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 // Which kernels this build runs: "avx512" (bf16 activations rounded to bf16, dot products at every
-// row count), "avx2" (float32 arithmetic) or "scalar".
+// row count; bf16 layers on AMX tiles where amx_on()), "avx2" (float32 arithmetic) or "scalar".
 inline std::string isa() {
 #if defined(TM_AVX512)
   return "avx512";
@@ -503,9 +530,9 @@ inline void check_packed(const at::Tensor& packed, const at::Tensor& scale, cons
   const int64_t P = packed.size(0), KP = packed.size(1);
   const bool int8 = packed.scalar_type() == at::kChar, f32 = packed.scalar_type() == at::kFloat;
   TORCH_CHECK(int8 || f32 || packed.scalar_type() == at::kBFloat16, "packed weights must be int8, bfloat16 or float32");
-#ifdef TM_AVX512  // bf16 panels in k pairs, int8 in k quads of whole groups (quant/panels.py)
+#ifdef TM_AVX512  // bf16 panels in k pairs, int8 in k quads, both of whole groups of 32 k (quant/panels.py)
   TORCH_CHECK(!f32, "float32 panels are for AVX2 builds; this build's float32 layers run at::linear");
-  const int64_t expected = int8 ? (K + avx512::kGroup - 1) / avx512::kGroup * avx512::kGroup : K + K % 2;
+  const int64_t expected = (K + avx512::kGroup - 1) / avx512::kGroup * avx512::kGroup;
 #else
   const int64_t expected = int8 ? K + K % 2 : K;
   // panel_rows reads float32 panels in place with aligned loads
@@ -529,6 +556,10 @@ inline at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, c
   if (grouped_levels)
     return avx512::linear(x, packed.data_ptr<uint8_t>(), P, KP, scale, bias, N, silu_mul, packed.size(2));
   if (int8) return avx512::linear(x, packed.data_ptr<int8_t>(), P, KP, scale, bias, N, silu_mul);
+#ifdef TM_AMX
+  if (amx_on())
+    return amx::linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, KP, bias, N, silu_mul);
+#endif
   return avx512::linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, KP, scale, bias, N,
                         silu_mul);
 #else
