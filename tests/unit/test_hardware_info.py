@@ -34,7 +34,7 @@ def test_info_has_every_key_and_at_least_one_core() -> None:
     info = hardware_info.gather().to_dict()
     assert set(info) == KEYS
     assert info["logical_cores"] >= 1 and info["cpus_available"] >= 1 and info["torch_threads"] >= 1
-    assert set(info["isa"]) == {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx"}
+    assert set(info["isa"]) == {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx", "amx_tile"}
     assert info["memory_bandwidth_gb_s"] is None  # only measured with --bandwidth
 
 
@@ -42,7 +42,10 @@ def test_isa_flags_agree_with_the_kernel_build() -> None:
     isa = hardware_info.isa_flags()
     assert (isa["avx2"] and isa["fma"]) == build.cpu_has_avx2()
     # cpu_has_avx512_bf16 is also False under TOKENMILL_CPU_ISA=avx2, whatever the flags say.
-    assert (hardware_info.kernel_paths(isa).build == "avx512") == build.cpu_has_avx512_bf16()
+    assert hardware_info.kernel_paths(isa).build.startswith("avx512") == build.cpu_has_avx512_bf16()
+    assert hardware_info.kernel_paths(isa).build.endswith("+amx") == (
+        build.cpu_has_avx512_bf16() and build.cpu_has_amx()
+    )
     assert hardware_info.gather().cpu_isa_setting == build.cpu_isa()
 
 
@@ -50,8 +53,9 @@ def test_auto_dtype_is_what_the_loader_picks_here_for_a_bf16_checkpoint() -> Non
     assert hardware_info.kernel_paths(hardware_info.isa_flags()).auto_dtype == resolve_dtype("auto", "cpu", "bfloat16")
 
 
-def _pretend(monkeypatch: pytest.MonkeyPatch, avx512_bf16: bool, avx2: bool) -> dict[str, bool]:
+def _pretend(monkeypatch: pytest.MonkeyPatch, avx512_bf16: bool, avx2: bool, amx: bool = False) -> dict[str, bool]:
     monkeypatch.setattr(build, "cpu_has_avx512_bf16", lambda: avx512_bf16)
+    monkeypatch.setattr(build, "cpu_has_amx", lambda: amx)
     monkeypatch.setattr(build, "cpu_has_avx2", lambda: avx2)
     monkeypatch.setattr(model_source, "cpu_has_avx512_bf16", lambda: avx512_bf16)  # what resolve_dtype asks
     return {name: avx512_bf16 or (avx2 and name in ("avx2", "fma")) for name in hardware_info.ISA_FLAGS}
@@ -66,6 +70,13 @@ def test_an_avx512_bf16_cpu_is_described_with_its_dot_product_paths(monkeypatch:
     assert "VNNI" in paths.int8_weights
     assert "AVX-512 paged attention" in paths.attention
     assert paths.int8_kv_cache == "yes"
+
+
+def test_an_amx_cpu_runs_bf16_layers_on_tiles_and_the_rest_as_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = hardware_info.kernel_paths(_pretend(monkeypatch, avx512_bf16=True, avx2=True, amx=True))
+    assert paths.build == "avx512+amx"
+    assert "AMX-BF16 tiles" in paths.bf16_weights and "every row count" in paths.bf16_weights
+    assert "VNNI" in paths.int8_weights
 
 
 def test_an_avx2_cpu_is_described_with_its_widening_paths(monkeypatch: pytest.MonkeyPatch) -> None:

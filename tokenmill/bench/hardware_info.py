@@ -31,6 +31,7 @@ ISA_FLAGS = {
     "avx512_bf16": "avx512_bf16",
     "avx512_vnni": "avx512_vnni",
     "amx": "amx_bf16",
+    "amx_tile": "amx_tile",
 }
 # What the C++ headers test (#if __AVX512F__ && __AVX512BW__ && __AVX512BF16__ && __AVX512VNNI__).
 _AVX512_KERNEL_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "avx512_vnni")
@@ -41,7 +42,7 @@ _BANDWIDTH_BYTES = 256 * 2**20
 class KernelPaths:
     """The CPU paths tokenmill takes here, in words (README, "Which CPU paths run where")."""
 
-    build: str  # "avx512", "avx2" or "scalar": the instruction set the compiled kernels use
+    build: str  # "avx512+amx", "avx512", "avx2" or "scalar": the instruction sets the compiled kernels use
     auto_dtype: str  # what dtype="auto" picks for a 16-bit (bf16/fp16) checkpoint
     bf16_weights: str
     float32_weights: str
@@ -98,10 +99,15 @@ def kernel_paths(isa: dict[str, bool]) -> KernelPaths:
     """The paths the kernels compile to for these flags under the current TOKENMILL_CPU_ISA."""
     avx512 = build.cpu_has_avx512_bf16() and all(isa.get(flag, False) for flag in _AVX512_KERNEL_FLAGS)
     if avx512:
+        amx = build.cpu_has_amx()  # the tile grant is asked for when the kernels load: not here
         return KernelPaths(
-            build="avx512",
+            build="avx512+amx" if amx else "avx512",
             auto_dtype=resolve_dtype("auto", "cpu", "bfloat16"),
-            bf16_weights="AVX-512 BF16 dot products (vdpbf16ps), float32 sums",
+            bf16_weights=(
+                "AMX-BF16 tiles (tdpbf16ps) at every row count, float32 sums"
+                if amx
+                else "AVX-512 BF16 dot products (vdpbf16ps), float32 sums"
+            ),
             float32_weights=_SGEMM,
             int8_weights="VNNI int8 dot products (vpdpbusd), activations in groups of 32",
             int4_weights="unpacked in registers, VNNI int8 dot products (vpdpbusd), activations in groups of 32",

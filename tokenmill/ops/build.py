@@ -98,6 +98,27 @@ def cpu_has_avx512_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
 
 
+AMX_ENV = "TOKENMILL_AMX"
+AMX_SETTINGS = ("auto", "off")
+
+
+@functools.cache
+def amx_setting() -> str:
+    """TOKENMILL_AMX, read once: "auto" (the default: bf16 layers on AMX tiles where the CPU has them) or
+    "off" (the AVX-512 dot products, to compare against)."""
+    setting = (os.environ.get(AMX_ENV) or "auto").strip().lower()
+    if setting not in AMX_SETTINGS:
+        raise ValueError(f"{AMX_ENV}={setting!r}: use one of {list(AMX_SETTINGS)}")
+    return setting
+
+
+def cpu_has_amx() -> bool:
+    """True where bf16 layers should run on AMX tiles: the CPU has AMX-BF16 (amx_tile, amx_bf16), the
+    kernels are built for it (TOKENMILL_CPU_ISA=native compiles them in) and TOKENMILL_AMX is not "off".
+    Whether the kernel granted the tile state is packed_gemm.amx()'s to say."""
+    return cpu_isa() == "native" and amx_setting() != "off" and {"amx_tile", "amx_bf16"} <= _cpu_flags()
+
+
 @functools.cache
 def load(name: str) -> ModuleType | None:
     """The compiled pybind module `name` (a key of SOURCES), or None (with a warning) where it cannot

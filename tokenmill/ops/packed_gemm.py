@@ -5,32 +5,62 @@ are quant/panels.py's."""
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from tokenmill.ops import build
 
+logger = logging.getLogger(__name__)
+
 
 def available() -> bool:
     """True once the kernel is built and loaded; False (with a warning) where no compiler is available."""
-    return build.load_ops("packed_gemm")
+    return build.load_ops("packed_gemm") and _amx_selected()
+
+
+@functools.cache
+def _amx_selected() -> bool:
+    """Once per process, after loading: the AMX path off unless build.cpu_has_amx() (TOKENMILL_AMX=off
+    included). Always True: it only sets the switch."""
+    if not build.cpu_has_amx():
+        torch.ops.tokenmill_quant.packed_gemm_set_amx(False)
+    return True
 
 
 def isa() -> str:
-    """What the built GEMM runs: "avx512" (AVX-512 BF16 and VNNI dot products at every row count; bf16
-    layers round their activations to bf16), "avx2" (float32 arithmetic; from 512 rows a widened
+    """What the built GEMM runs: "avx512" (AVX-512 BF16 and VNNI dot products at every row count, bf16
+    layers on AMX tiles where amx(); bf16 layers round their activations to bf16), "avx2" (float32 arithmetic; from 512 rows a widened
     float32 GEMM), "scalar", or "none" where it could not be built."""
     return str(torch.ops.tokenmill_quant.packed_gemm_isa()) if available() else "none"
 
 
 def amx() -> bool:
-    """True where bf16 layers run on AMX tiles (csrc/packed_gemm_amx.h): the build has AMX-BF16 (a CPU
-    with amx_bf16, TOKENMILL_CPU_ISA=native) and the kernel granted this process the tile state."""
-    return available() and bool(torch.ops.tokenmill_quant.packed_gemm_amx())
+    """True where bf16 layers run on AMX tiles (csrc/packed_gemm_amx.h): build.cpu_has_amx() and the
+    Linux kernel granted this process the tile state. Where the CPU has AMX but the grant was refused,
+    the AVX-512 kernels run the same packed weights, and one warning says so."""
+    on = available() and _amx_granted()
+    if not on and build.cpu_has_amx():
+        _warn_amx_refused()
+    return on
+
+
+def _amx_granted() -> bool:
+    return bool(torch.ops.tokenmill_quant.packed_gemm_amx())
+
+
+@functools.cache
+def _warn_amx_refused() -> None:
+    logger.warning(
+        "this CPU has AMX, but the tile state was not granted (arch_prctl ARCH_REQ_XCOMP_PERM refused, or the "
+        "kernel could not be built with AMX): bf16 layers run the AVX-512 dot products instead"
+    )
 
 
 def set_amx(on: bool) -> bool:
-    """Switch the AMX path on (where the build and the kernel allow it) or off, for every later call
-    (the weights are the same for both paths); returns amx()."""
+    """Switch the AMX path on (where the build and the kernel allow it) or off for every later call, to
+    measure one against the other (both read the same packed weights); returns whether it is on."""
     return available() and bool(torch.ops.tokenmill_quant.packed_gemm_set_amx(on))
 
 

@@ -62,6 +62,7 @@ def load_model(config: ModelConfig, folder: Path | None, backend: AttentionBacke
     elif config.weight_dtype == "bfloat16" and device == "cpu":
         if packed_gemm.available():  # half the bytes per decode step; the same numbers
             pack_bf16_weights(model)
+            packed_gemm.amx()  # says once where the CPU has AMX tiles but they run nothing
     elif config.dtype == "float32" and config.weight_dtype is None and device == "cpu":
         if packed_gemm.isa() == "avx2":  # a decode batch at the FMA peak (see Fp32Linear); the same arithmetic
             pack_fp32_weights(model)
