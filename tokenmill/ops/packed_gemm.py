@@ -31,8 +31,8 @@ def _amx_selected() -> bool:
 
 def isa() -> str:
     """What the built GEMM runs: "avx512" (AVX-512 BF16 and VNNI dot products at every row count, bf16
-    layers on AMX tiles where amx(); bf16 layers round their activations to bf16), "avx2" (float32 arithmetic; from 512 rows a widened
-    float32 GEMM), "scalar", or "none" where it could not be built."""
+    layers on AMX tiles where amx(); bf16 layers round their activations to bf16), "avx2" (float32
+    arithmetic; from 512 rows a widened float32 GEMM), "scalar", or "none" where it could not be built."""
     return str(torch.ops.tokenmill_quant.packed_gemm_isa()) if available() else "none"
 
 
