@@ -119,19 +119,51 @@ def cpu_has_amx() -> bool:
     return cpu_isa() == "native" and amx_setting() != "off" and {"amx_tile", "amx_bf16"} <= _cpu_flags()
 
 
+# Each library keeps its own copy of the AMX switch (csrc/amx_tiles.h): set_amx sets every loaded one.
+_amx: dict[str, bool] = {"on": True}
+_loaded: dict[str, ModuleType | None] = {}  # library name -> its pybind module (None: a torch-op library)
+
+
+def set_amx(on: bool) -> bool:
+    """The AMX kernels on (where cpu_has_amx() and the Linux kernel grants the tile state) or off, in
+    every library loaded now or later. Both paths read the same packed weights and cache, so this may
+    flip between steps (to measure one against the other). Returns whether they run."""
+    _amx["on"] = on
+    answers = [_apply_amx(module) for module in _loaded.values()]
+    return bool(answers) and all(answers)
+
+
+def _apply_amx(module: ModuleType | None) -> bool:
+    """A library's switch set to the process's; its answer (False where it has no AMX kernels)."""
+    wanted = _amx["on"] and cpu_has_amx()
+    if module is None:  # the packed GEMM's torch ops
+        import torch
+
+        return bool(torch.ops.tokenmill_quant.packed_gemm_set_amx(wanted))
+    return bool(hasattr(module, "set_amx") and module.set_amx(wanted))
+
+
 @functools.cache
 def load(name: str) -> ModuleType | None:
     """The compiled pybind module `name` (a key of SOURCES), or None (with a warning) where it cannot
     be built (no compiler, no ninja): callers then use their pure-PyTorch path."""
     module = _build(name, python_module=True)
-    return module if isinstance(module, ModuleType) else None
+    if not isinstance(module, ModuleType):
+        return None
+    _loaded[name] = module
+    _apply_amx(module)
+    return module
 
 
 @functools.cache
 def load_ops(name: str) -> bool:
     """Build and load the torch-op library `name` (its ops register under torch.ops); False (with a
     warning) where it cannot be built."""
-    return _build(name, python_module=False) is not None
+    if _build(name, python_module=False) is None:
+        return False
+    _loaded[name] = None
+    _apply_amx(None)
+    return True
 
 
 def _build(name: str, python_module: bool) -> object:

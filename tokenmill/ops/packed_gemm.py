@@ -17,16 +17,7 @@ logger = logging.getLogger(__name__)
 
 def available() -> bool:
     """True once the kernel is built and loaded; False (with a warning) where no compiler is available."""
-    return build.load_ops("packed_gemm") and _amx_selected()
-
-
-@functools.cache
-def _amx_selected() -> bool:
-    """Once per process, after loading: the AMX path off unless build.cpu_has_amx() (TOKENMILL_AMX=off
-    included). Always True: it only sets the switch."""
-    if not build.cpu_has_amx():
-        torch.ops.tokenmill_quant.packed_gemm_set_amx(False)
-    return True
+    return build.load_ops("packed_gemm")
 
 
 def isa() -> str:
@@ -59,9 +50,10 @@ def _warn_amx_refused() -> None:
 
 
 def set_amx(on: bool) -> bool:
-    """Switch the AMX path on (where the build and the kernel allow it) or off for every later call, to
-    measure one against the other (both read the same packed weights); returns whether it is on."""
-    return available() and bool(torch.ops.tokenmill_quant.packed_gemm_set_amx(on))
+    """The AMX kernels (GEMMs and attention, every library: build.set_amx) on where allowed, or off, to
+    measure one path against the other on the same weights; returns whether they run."""
+    available()
+    return build.set_amx(on)
 
 
 def packed_linear(

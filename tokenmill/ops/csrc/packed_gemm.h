@@ -43,11 +43,9 @@
 #define TM_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define TM_AVX512 1  // bf16 and int8 dot products: packed_gemm_avx512.h
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define TM_AMX 1  // bf16 layers on AMX tiles: packed_gemm_amx.h
 #endif
 #endif
-#endif
+#include "amx_tiles.h"  // TM_AMX: bf16 layers on AMX tiles (packed_gemm_amx.h)
 
 namespace tokenmill::gemm {
 
@@ -391,16 +389,16 @@ namespace tokenmill::gemm {
 // packed weights, so the switch can flip between calls).
 inline bool amx_on() {
 #ifdef TM_AMX
-  return amx::enabled();
+  return tile::enabled();
 #else
   return false;
 #endif
 }
 
-// Switches the AMX path on (where amx::permitted) or off; returns amx_on().
+// Switches the AMX kernels of this library on (where tile::permitted) or off; returns amx_on().
 inline bool set_amx(bool on) {
 #ifdef TM_AMX
-  return amx::set_enabled(on);
+  return tile::set_enabled(on);
 #else
   (void)on;
   return false;

@@ -23,14 +23,13 @@
 #include <ATen/ops/empty.h>
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "amx_tiles.h"
 
 namespace tokenmill::gemm::amx {
 
@@ -39,45 +38,11 @@ constexpr int64_t kTileK = 32;      // bf16 k per tile multiply (64 bytes of A r
 constexpr int64_t kUnitRows = 32;   // rows per unit: 2 A tiles
 constexpr int64_t kRowBlock = 256;  // activation rows kept hot (L2) while a thread's panel pairs pass them
 
-// Linux grants a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); without it the first tile instruction faults. Asked once per process.
-inline bool permitted() {
-  static const bool granted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-  }();
-  return granted;
-}
-
-// Whether bf16 layers take the tiles: where permitted, unless switched off (set_enabled: to measure
-// the AVX-512 kernels against them, or on a machine whose kernel refuses the tile state).
-inline std::atomic<bool>& enabled_flag() {
-  static std::atomic<bool> on{permitted()};
-  return on;
-}
-inline bool enabled() { return enabled_flag().load(std::memory_order_relaxed); }
-inline bool set_enabled(bool on) {
-  enabled_flag().store(on && permitted(), std::memory_order_relaxed);
-  return enabled();
-}
-
-// The tile shapes, loaded into the calling thread's tile configuration (per thread: each call of
-// an op loads it, other code on the thread, oneDNN's for one, may have changed it).
 // tmm0-3: C tiles [rows, 16] float32; tmm4, tmm5: A tiles [rows, 32] bf16; tmm6, tmm7: B tiles [16, 32].
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 inline void configure(int64_t rows) {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = static_cast<uint8_t>(t < 6 ? rows : kTileRows);
-  }
-  _tile_loadconfig(&cfg);
+  tile::Config cfg;
+  for (int t = 0; t < 8; ++t) cfg.tile(t, t < 6 ? rows : kTileRows, 64);
+  cfg.load();
 }
 
 // Rows of x [M, K] float32 rounded to bf16 (nearest even) into a [M, KP] (KP >= K, zeros past K).

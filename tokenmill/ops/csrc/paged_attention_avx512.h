@@ -26,6 +26,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "paged_attention_amx.h"
+
 namespace tokenmill::attn::avx512 {
 
 constexpr int64_t kBlock = 16;          // tokens per cache block (one vector of scores)
@@ -384,7 +386,11 @@ inline bool with_chunks(int64_t head_dim, F&& f) {
 struct Scratch {
   std::vector<uint32_t> qb, p;                     // rounded queries, probabilities: bf16 pairs
   std::vector<float> s, inv_sum, q_step, v_scale;  // q_step, v_scale: an int8 cache's query steps, value scales
+  std::vector<float> o;                            // AMX: the weighted values before scaling
 };
+
+// AMX tiles read whole 16-row tiles: a bf16 head's row buffers are sized in those (attend_head).
+inline int64_t tile_rows(int64_t rows, bool amx) { return amx ? (rows + 15) / 16 * 16 : rows; }
 
 // One kv head's share of an item, read from its context's blocks (k_blocks, v_blocks: the head's
 // chunk of each block half, `padded` keys in all): `rows` query rows (q_rows, written to out_rows),
@@ -399,10 +405,16 @@ inline void attend_head(const float* const* q_rows, float* const* out_rows, cons
   constexpr int kValueRows = kValueAccumulators / C / (kInt8 ? 2 : 1);
   const int64_t num_blocks = padded / kBlock;
   const int64_t p_stride = (padded + 31) / 32 * 16;  // pairs per probability row, whole vectors
-  w.qb.resize(rows * kPairs);
+#ifdef TM_AMX
+  const bool on_tiles = !kInt8 && tile::enabled();  // both products on AMX tiles (paged_attention_amx.h)
+#else
+  constexpr bool on_tiles = false;
+#endif
+  const int64_t buffer_rows = tile_rows(rows, on_tiles);
+  w.qb.resize(buffer_rows * kPairs);
   w.q_step.resize(rows);
-  w.s.resize(rows * padded);
-  w.p.resize(rows * p_stride);
+  w.s.resize(buffer_rows * padded);
+  w.p.resize(buffer_rows * p_stride);
   w.inv_sum.resize(rows);
   for (int64_t r = 0; r < rows; ++r) {  // queries times scale, rounded to bf16 pairs (int16 pairs, one step per row)
     const __m512 mult = _mm512_set1_ps(scale);
@@ -434,9 +446,18 @@ inline void attend_head(const float* const* q_rows, float* const* out_rows, cons
   // stay: a burst this long overflows the misses a core tracks and some of it is dropped.
   if (num_blocks * 2 * kChunkBytes <= kFetchAllBytes)
     for (int64_t j = 0; j < num_blocks; ++j) fetch(k_blocks[j], kChunkBytes), fetch(v_blocks[j], kChunkBytes);
+#ifdef TM_AMX
+  // The keys a tile of 16 rows from r0 reads: those its last row sees.
+  const auto tile_keys = [&](int64_t r0) { return row_len[std::min(rows, r0 + amx::kRows) - 1]; };
+  if (on_tiles) {
+    amx::configure(std::min(rows, amx::kRows));
+    amx::scores<C>(w.qb.data(), rows, reinterpret_cast<const at::BFloat16* const*>(k_blocks), w.s.data(), padded,
+                   tile_keys);
+  }
+#endif
   // Scores, kScoreRows rows at a time over the blocks the last of them sees (rows see more keys in
   // order); blocks lie anywhere in the pool, so each is requested a few blocks ahead.
-  for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
+  for (int64_t r0 = 0; r0 < rows && !on_tiles; r0 += kScoreRows) {
     const int n_rows = static_cast<int>(std::min<int64_t>(kScoreRows, rows - r0));
     const int64_t blocks = (row_len[r0 + n_rows - 1] + kBlock - 1) / kBlock;
     with_rows<kScoreRows>(n_rows, [&](auto nr) {
@@ -461,6 +482,20 @@ inline void attend_head(const float* const* q_rows, float* const* out_rows, cons
     for (int64_t r = 0; r < rows; ++r)
       w.inv_sum[r] = softmax_to_bf16(w.s.data() + r * padded, row_len[r], w.p.data() + r * p_stride, p_stride);
   }
+#ifdef TM_AMX
+  if (on_tiles) {
+    constexpr int64_t D16 = 16 * C;
+    w.o.resize(buffer_rows * D16);
+    amx::weighted_values<C>(w.p.data(), p_stride, rows, reinterpret_cast<const at::BFloat16* const*>(v_blocks),
+                            w.o.data(), tile_keys);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 inv = _mm512_set1_ps(w.inv_sum[r]);
+      for (int64_t d = 0; d < D16; d += 16)
+        _mm512_storeu_ps(out_rows[r] + d, _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + r * D16 + d), inv));
+    }
+    return;
+  }
+#endif
   // Weighted values, kValueRows rows at a time over the keys the last of them sees.
   for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
     const int n_rows = static_cast<int>(std::min<int64_t>(kValueRows, rows - r0));

@@ -248,6 +248,20 @@ inline bool start_item(const float* q_item, float scale, int64_t num_heads, int6
 
 namespace tokenmill::attn {
 
+// Switches this library's AMX kernels on (where the tile state is granted) or off; returns whether on.
+inline bool set_amx(bool on) {
+#ifdef TM_AMX
+  return tile::set_enabled(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
+
+}  // namespace tokenmill::attn
+
+namespace tokenmill::attn {
+
 template <typename T>
 inline void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                    const int32_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
