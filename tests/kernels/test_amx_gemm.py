@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.ops import build, packed_gemm
-from tokenmill.quant import Bf16Linear
+from tokenmill.quant import Bf16Linear, Int8Linear
 
 needs_amx = pytest.mark.skipif(
     not packed_gemm.amx(), reason="this CPU (or build) has no AMX-BF16 tiles: amx_tile and amx_bf16 flags needed"
@@ -102,6 +102,44 @@ def test_the_avx512_fallback_reads_the_same_padded_panels(amx_off: None, rows: i
     assert layer.packed.shape == (3, 96, 16)
     x = torch.randn(rows, 70)
     torch.testing.assert_close(layer(x), reference(x, w, None), rtol=1e-5, atol=1e-4)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [8, 16, 100, 600])
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (50, 100), (33, 577)])
+def test_amx_int8_gemm_is_the_vnni_kernels_bits(rows: int, out_features: int, in_features: int) -> None:
+    """AMX-INT8 reaches each 32-k group's exact integer sum and scales it as the VNNI tiles do, in group
+    order: the same bits, so which kernel runs may depend on the row count."""
+    torch.manual_seed(rows + in_features)
+    layer = Int8Linear.from_weight(
+        torch.randn(out_features, in_features) * 0.1, torch.randn(out_features), kernel="cpu"
+    )
+    x = torch.randn(rows, in_features)
+    on = layer(x)
+    packed_gemm.set_amx(False)
+    try:
+        off = layer(x)
+    finally:
+        packed_gemm.set_amx(True)
+    assert torch.equal(on, off)
+    assert layer.bias is not None
+    expected = x @ layer.dequantize().T + layer.bias[:out_features]  # within int8 activations' error
+    torch.testing.assert_close(on, expected, rtol=0.05, atol=0.05)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [8, 40])
+def test_amx_int8_silu_mul_is_the_vnni_kernels_bits(rows: int) -> None:
+    torch.manual_seed(rows)
+    layer = Int8Linear.from_weight(torch.randn(2 * 64, 96) * 0.1, None, kernel="cpu")
+    x = torch.randn(rows, 96)
+    on = layer.silu_and_mul(x)
+    packed_gemm.set_amx(False)
+    try:
+        off = layer.silu_and_mul(x)
+    finally:
+        packed_gemm.set_amx(True)
+    assert torch.equal(on, off)
 
 
 # ------------------------------------------------------------------------ dispatch, flags mocked

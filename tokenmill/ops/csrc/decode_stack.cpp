@@ -290,9 +290,10 @@ class DecodeStack {
     for (const Layer& l : layers_)
       for (const PackedLinear* w : {&l.qkv, &l.o, &l.gate_up, &l.down}) kp = std::max(kp, std::get<0>(*w).size(1));
     const auto i32 = at::TensorOptions().dtype(at::kInt);
-    return {
-        at::empty({M * kp}, i32.dtype(at::kChar)), at::empty({M * kp / gemm::avx512::kGroup}, i32.dtype(at::kFloat)),
-        at::empty({M * kp / gemm::avx512::kGroup}, i32), at::empty({(M + 15) / 16 * 16 * kp / 2}, i32), gemm::amx_on()};
+    const int64_t tile_rows = (M + 15) / 16 * 16;  // AMX tiles read whole tiles of 16 rows
+    return {at::empty({tile_rows * kp}, i32.dtype(at::kChar)),
+            at::empty({M * kp / gemm::avx512::kGroup}, i32.dtype(at::kFloat)),
+            at::empty({M * kp / gemm::avx512::kGroup}, i32), at::empty({tile_rows * kp / 2}, i32), gemm::amx_on()};
   }
 
   // Rows [m0, m1) of x ([M, K] float32, K the GEMM's in-features) into rows, as w's GEMM reads
@@ -338,6 +339,16 @@ class DecodeStack {
       pr.group_offsets = group_offsets;
       gemm::avx512::run_share(pr, M, P, t, threads);
     };
+#ifdef TM_AMX
+    if (weight.scalar_type() == at::kChar && rows.amx && M >= gemm::amx::q8::kRows) {  // the VNNI tiles' bits
+      auto pr =
+          gemm::avx512::layer_problem(weight.data_ptr<int8_t>(), P, KP, std::get<1>(w), std::get<2>(w), y, N, silu_mul);
+      pr.x = rows.values.data_ptr<int8_t>();
+      pr.group_scales = rows.scales.data_ptr<float>();
+      pr.group_offsets = rows.offsets.data_ptr<int32_t>();
+      return gemm::amx::q8::run_share(pr, M, P, t, threads);
+    }
+#endif
     if (weight.scalar_type() == at::kChar)
       run(weight.data_ptr<int8_t>(), rows.values.data_ptr<int8_t>(), rows.scales.data_ptr<float>(),
           rows.offsets.data_ptr<int32_t>());

@@ -380,6 +380,7 @@ inline void int8_small(const Int16Rows& q, int64_t M, const int8_t* wp, int64_t 
 #endif
 #ifdef TM_AMX
 #include "packed_gemm_amx.h"
+#include "packed_gemm_amx_int8.h"
 #endif
 
 namespace tokenmill::gemm {
@@ -553,7 +554,13 @@ inline at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, c
 #ifdef TM_AVX512  // the activation in the GEMM's epilogue
   if (grouped_levels)
     return avx512::linear(x, packed.data_ptr<uint8_t>(), P, KP, scale, bias, N, silu_mul, packed.size(2));
-  if (int8) return avx512::linear(x, packed.data_ptr<int8_t>(), P, KP, scale, bias, N, silu_mul);
+  if (int8) {
+#ifdef TM_AMX
+    if (amx_on() && x.size(0) >= amx::q8::kRows)  // the same bits as the VNNI tiles (packed_gemm_amx_int8.h)
+      return amx::q8::linear(x, packed.data_ptr<int8_t>(), P, KP, scale, bias, N, silu_mul);
+#endif
+    return avx512::linear(x, packed.data_ptr<int8_t>(), P, KP, scale, bias, N, silu_mul);
+  }
 #ifdef TM_AMX
   if (amx_on())
     return amx::linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), P, KP, bias, N, silu_mul);

@@ -153,35 +153,45 @@ inline void run_share(const Problem& pr, int64_t M, int64_t t, int64_t threads) 
         run_unit(pr, m, std::min(kUnitRows, M - m), q);
 }
 
+// Units (a block of kRowBlock rows, a panel pair) over the threads, shared out as avx512::linear's are
+// (an owner's front, the others' back): configure() on each thread, then run(m0, q) for each unit.
+template <typename Configure, typename Run>
+inline void share_units(int64_t M, int64_t P, const Configure& configure, const Run& run) {
+  const int64_t pairs = (P + 1) / 2, blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), pairs);
+  std::vector<avx512::Share> shares(threads);
+  const auto first_pair = [&](int64_t t) { return t * pairs / threads; };
+  for (int64_t t = 0; t < threads; ++t) shares[t].reset(blocks * (first_pair(t + 1) - first_pair(t)));
+  const auto unit_of = [&](int64_t t, int64_t unit) {
+    const int64_t first = first_pair(t), count = first_pair(t + 1) - first;
+    run(unit / count * kRowBlock, first + unit % count);
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    configure();
+    for (int64_t t = b; t < e; ++t) {
+      for (int64_t unit; (unit = shares[t].take_front()) >= 0;) unit_of(t, unit);
+      for (int64_t v = 1; v < threads; ++v) {
+        const int64_t victim = (t + v) % threads;
+        for (int64_t unit; (unit = shares[victim].take_back()) >= 0;) unit_of(victim, unit);
+      }
+    }
+  });
+}
+
 // x [M, K] float32 @ bf16 k-pair panels wp ([P, KP, 16], KP a multiple of kTileK) -> [M, N] float32
-// (+ bias), or with silu_mul -> [M, N / 2] (see Problem). Units are (block of kRowBlock rows, panel
-// pair), shared out as avx512::linear's are (an owner's front, the others' back).
+// (+ bias), or with silu_mul -> [M, N / 2] (see Problem).
 inline at::Tensor linear(const at::Tensor& x, const uint16_t* wp, int64_t P, int64_t KP, const at::Tensor& bias,
                          int64_t N, bool silu_mul) {
   const int64_t M = x.size(0), K = x.size(1), ldy = silu_mul ? N / 2 : N;
   at::Tensor y = at::empty({M, ldy}, x.options());
   const avx512::Buffer<uint16_t> a = bf16_rows(x.data_ptr<float>(), M, K, KP);
   const Problem pr{wp, P, KP, a.get(), bias.data_ptr<float>(), y.data_ptr<float>(), N, ldy, silu_mul ? P / 2 : 0};
-  const int64_t pairs = (P + 1) / 2, blocks = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), pairs);
-  std::vector<avx512::Share> shares(threads);
-  const auto first_pair = [&](int64_t t) { return t * pairs / threads; };
-  for (int64_t t = 0; t < threads; ++t) shares[t].reset(blocks * (first_pair(t + 1) - first_pair(t)));
-  const auto run = [&](int64_t t, int64_t unit) {
-    const int64_t first = first_pair(t), count = first_pair(t + 1) - first, m0 = unit / count * kRowBlock;
-    for (int64_t m = m0; m < std::min(M, m0 + kRowBlock); m += kUnitRows)
-      run_unit(pr, m, std::min(kUnitRows, M - m), first + unit % count);
-  };
-  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-    configure(std::min(M, kTileRows));
-    for (int64_t t = b; t < e; ++t) {
-      for (int64_t unit; (unit = shares[t].take_front()) >= 0;) run(t, unit);
-      for (int64_t v = 1; v < threads; ++v) {
-        const int64_t victim = (t + v) % threads;
-        for (int64_t unit; (unit = shares[victim].take_back()) >= 0;) run(victim, unit);
-      }
-    }
-  });
+  share_units(
+      M, P, [&] { configure(std::min(M, kTileRows)); },
+      [&](int64_t m0, int64_t q) {
+        for (int64_t m = m0; m < std::min(M, m0 + kRowBlock); m += kUnitRows)
+          run_unit(pr, m, std::min(kUnitRows, M - m), q);
+      });
   return y;
 }
 
