@@ -12,6 +12,7 @@ import torch
 from tokenmill.outputs import Logprob
 from tokenmill.sample.logprobs import compute_topk_logprobs, to_token_logprobs
 from tokenmill.sample.metadata import SamplingMetadata
+from tokenmill.sample import sampler
 from tokenmill.sample.penalties import apply_penalties
 from tokenmill.sample.sampler import Sampler, SamplerOutput
 from tokenmill.sampling_params import SamplingParams
@@ -246,3 +247,24 @@ def test_build_rejects_lists_of_different_lengths() -> None:
 def test_build_rejects_token_ids_outside_the_vocabulary() -> None:
     with pytest.raises(ValueError, match="outside the vocabulary"):
         build([SamplingParams(logit_bias={VOCAB: 1.0})])
+
+
+@pytest.mark.parametrize("vocab_size", [1000, 49152])
+def test_top_k_top_p_among_candidates_keeps_what_the_full_sort_keeps(vocab_size: int) -> None:
+    """The candidate path (the TOP_CANDIDATES most likely tokens) and the whole sorted row keep the same
+    tokens, for rows it answers (small top-k, a nucleus inside the candidates) and rows it hands to the
+    sort (a flat distribution whose nucleus is wider, a top-k past the candidates, no filter at all)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = 8
+    logits = torch.randn(rows, vocab_size, generator=gen) * 3
+    logits[1] /= 100  # nearly flat: the nucleus spans most of the vocabulary
+    top_k = torch.tensor([vocab_size, vocab_size, vocab_size, 40, 600, vocab_size, 1, 5])
+    top_p = torch.tensor([0.9, 0.95, 1.0, 0.5, 0.9, 1.0, 0.3, 0.99])
+    fast, full = logits.clone(), logits.clone()
+    sampler._apply_top_k_top_p(fast, top_k, top_p)
+    sampler._apply_top_k_top_p_sorted(full, top_k, top_p)
+    assert torch.equal(fast.isfinite(), full.isfinite())
+    kept = full.isfinite()
+    assert torch.equal(fast[kept], logits[kept])
+    assert kept[2].all() and kept[5].all()  # no filter
+    assert kept[1].sum() > sampler.TOP_CANDIDATES and kept[7].sum() == 5  # the sort; a top-k of 5

@@ -131,13 +131,59 @@ def _uniforms(meta: SamplingMetadata, num_rows: int, device: torch.device) -> to
     return uniform
 
 
+# Candidates per row for top-k / top-p: the nucleus of a sampled LLM's distribution is nearly always far
+# smaller, and a top-k of this many costs a fraction of sorting the whole vocabulary.
+TOP_CANDIDATES = 256
+
+
 def _apply_top_k_top_p(
     logits: torch.Tensor,  # [num_reqs, vocab_size], masked in place
     top_k: torch.Tensor | None,  # [num_reqs] int64, vocab_size where disabled
     top_p: torch.Tensor | None,  # [num_reqs] float32, 1.0 where disabled
 ) -> None:
     """Masks to -inf every token outside the row's k most likely, then outside the smallest set of
-    the remaining (renormalized) tokens whose probability reaches top_p. One ascending sort serves both."""
+    the remaining (renormalized) tokens whose probability reaches top_p: a token stays while the mass
+    of the tokens more likely than it is below top_p.
+
+    Rows are filtered among their TOP_CANDIDATES most likely tokens where those hold the whole answer
+    (top_k within them, or a nucleus they cover); the others sort the whole row
+    (_apply_top_k_top_p_sorted)."""
+    num_reqs, vocab_size = logits.shape
+    k = min(TOP_CANDIDATES, vocab_size)
+    values, indices = logits.topk(k, dim=-1)  # [num_reqs, k], most likely first
+    ranks = torch.arange(k, device=logits.device).unsqueeze(0)  # [1, k]
+    row_k = top_k if top_k is not None else torch.full((num_reqs,), vocab_size, device=logits.device)
+    row_p = top_p if top_p is not None else torch.ones(num_reqs, device=logits.device)
+    keep = ranks < row_k.unsqueeze(1)  # [num_reqs, k]
+    k_inside = row_k <= k  # [num_reqs]: the top-k set lies among the candidates
+    nucleus = row_p < 1.0
+    kept_values = values.masked_fill(~keep, float("-inf"))
+    # The normalizer: over the top-k set where it lies among the candidates, else the whole row.
+    log_total = torch.where(k_inside, kept_values.logsumexp(dim=-1), logits.logsumexp(dim=-1))  # [num_reqs]
+    probs = (kept_values - log_total.unsqueeze(1)).exp()  # [num_reqs, k]
+    above = probs.cumsum(dim=-1) - probs  # the mass of the more likely candidates
+    keep &= (above < row_p.unsqueeze(1)) | (ranks == 0) | ~nucleus.unsqueeze(1)
+    covered = probs.sum(dim=-1) >= row_p  # the nucleus ends among the candidates
+    # Rows answered by their candidates (a top-k past them would change the nucleus' normalizer).
+    here = (nucleus & covered & (k_inside | (row_k >= vocab_size))) | (~nucleus & k_inside)
+    untouched = ~nucleus & (row_k >= vocab_size)  # neither filter applies
+    full = ~(here | untouched)
+    if bool(here.any()):
+        masked = torch.full_like(logits[here], float("-inf"))
+        masked.scatter_(1, indices[here], values[here].masked_fill(~keep[here], float("-inf")))
+        logits[here] = masked
+    if bool(full.any()):
+        rows = logits[full]
+        _apply_top_k_top_p_sorted(rows, None if top_k is None else top_k[full], None if top_p is None else top_p[full])
+        logits[full] = rows
+
+
+def _apply_top_k_top_p_sorted(
+    logits: torch.Tensor,  # [num_reqs, vocab_size], masked in place
+    top_k: torch.Tensor | None,  # [num_reqs] int64, vocab_size where disabled
+    top_p: torch.Tensor | None,  # [num_reqs] float32, 1.0 where disabled
+) -> None:
+    """_apply_top_k_top_p over the whole sorted row. One ascending sort serves both filters."""
     sorted_logits, order = logits.sort(dim=-1)  # [num_reqs, vocab_size], ascending
     vocab_size = logits.shape[1]
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)  # [num_reqs, vocab_size], in sorted order
