@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tokenmill.outputs import Logprob
+from tokenmill.sample import sampler
 from tokenmill.sample.logprobs import compute_topk_logprobs, to_token_logprobs
 from tokenmill.sample.metadata import SamplingMetadata
-from tokenmill.sample import sampler
 from tokenmill.sample.penalties import apply_penalties
 from tokenmill.sample.sampler import Sampler, SamplerOutput
 from tokenmill.sampling_params import SamplingParams
