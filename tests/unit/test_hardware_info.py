@@ -76,7 +76,8 @@ def test_an_amx_cpu_runs_bf16_layers_on_tiles_and_the_rest_as_avx512(monkeypatch
     paths = hardware_info.kernel_paths(_pretend(monkeypatch, avx512_bf16=True, avx2=True, amx=True))
     assert paths.build == "avx512+amx"
     assert "AMX-BF16 tiles" in paths.bf16_weights and "every row count" in paths.bf16_weights
-    assert "VNNI" in paths.int8_weights
+    assert "AMX-INT8" in paths.int8_weights and "the same bits" in paths.int8_weights
+    assert "AMX tiles" in paths.attention
 
 
 def test_an_avx2_cpu_is_described_with_its_widening_paths(monkeypatch: pytest.MonkeyPatch) -> None:

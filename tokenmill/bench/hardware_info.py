@@ -109,9 +109,17 @@ def kernel_paths(isa: dict[str, bool]) -> KernelPaths:
                 else "AVX-512 BF16 dot products (vdpbf16ps), float32 sums"
             ),
             float32_weights=_SGEMM,
-            int8_weights="VNNI int8 dot products (vpdpbusd), activations in groups of 32",
+            int8_weights=(
+                "AMX-INT8 tiles (tdpbsud) from 8 rows, else VNNI (vpdpbusd), the same bits; activations in groups of 32"
+                if amx
+                else "VNNI int8 dot products (vpdpbusd), activations in groups of 32"
+            ),
             int4_weights="unpacked in registers, VNNI int8 dot products (vpdpbusd), activations in groups of 32",
-            attention="AVX-512 paged attention over a bf16/int8 cache, decode and prompt rows",
+            attention=(
+                "AVX-512 paged attention, its products on AMX tiles for a bf16 cache; decode and prompt rows"
+                if amx
+                else "AVX-512 paged attention over a bf16/int8 cache, decode and prompt rows"
+            ),
             int8_kv_cache="yes",
         )
     widened = "widened to float32 in the GEMM" + (" (AVX2 FMA)" if build.cpu_has_avx2() else " (scalar)")
