@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from tokenmill.attention.cpu import SDPABackend
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.pair_layout import dequantize_int8_cache, from_pair_layout, to_pair_layout
 from tokenmill.attention.selector import get_backend
+from tokenmill.ops import packed_gemm
 from tokenmill.ops.build import cpu_has_avx512_bf16
 
 BLOCK, HQ, HKV, D, NUM_BLOCKS = 16, 8, 2, 32, 64
@@ -188,12 +191,14 @@ def test_avx512_kernel_serves_bf16_caches_where_the_cpu_has_it() -> None:
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 64), (8, 4, 128), (4, 4, 32)])
 @pytest.mark.parametrize("num_seqs", [3, 12])
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "avx512"])
 def test_paged_attention_over_prompt_chunks_and_decode_rows(
-    num_heads: int, num_kv_heads: int, head_dim: int, num_seqs: int
+    num_heads: int, num_kv_heads: int, head_dim: int, num_seqs: int, amx: bool, amx_switch: AmxSwitch
 ) -> None:
     """Fresh prompts, chunks after a cached prefix (tiles of many query rows) and decode rows in one
     call, against the float64 reference emulating the bf16 products. 3 sequences split the work by kv
-    head, 12 take all kv heads per item."""
+    head, 12 take all kv heads per item. Both products on AMX tiles, or the AVX-512 dot products."""
+    amx_switch(amx)
     kernels = SDPABackend(torch.device("cpu"))._kernels
     gen = torch.Generator().manual_seed(num_heads * head_dim + num_seqs)
     num_blocks, block, max_blocks = 256, 16, 12
@@ -227,6 +232,21 @@ def test_paged_attention_over_prompt_chunks_and_decode_rows(
         q_view, to_pair_layout(cache), tables, lens, torch.tensor(starts, dtype=torch.int32), head_dim**-0.5
     )
     assert torch.equal(in_place, got)
+
+
+AmxSwitch = Callable[[bool], None]
+
+
+@pytest.fixture
+def amx_switch() -> Iterator[AmxSwitch]:
+    """Sets the AMX kernels on or off for one test (skips where on is asked of a CPU without them)."""
+
+    def switch(on: bool) -> None:
+        if packed_gemm.set_amx(on) != on:
+            pytest.skip("this CPU (or build) has no AMX-BF16 tiles")
+
+    yield switch
+    packed_gemm.set_amx(True)
 
 
 def test_paged_attention_rejects_bad_query_starts() -> None:
