@@ -5,7 +5,7 @@ TOKENMILL_AMX, a refused tile grant) are checked with the CPU's flags mocked, on
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -29,6 +29,15 @@ def amx_off() -> Iterator[None]:
     packed_gemm.set_amx(False)
     yield
     packed_gemm.set_amx(was)
+
+
+def without_amx(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """layer(x) on the AVX-512 kernels (the same packed weights), the AMX kernels back on after."""
+    packed_gemm.set_amx(False)
+    try:
+        return layer(x)
+    finally:
+        packed_gemm.set_amx(True)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -83,11 +92,7 @@ def test_amx_and_avx512_agree_to_float32_rounding_on_the_same_weights() -> None:
     layer = Bf16Linear(torch.randn(64, 320) * 0.1, None)
     x = torch.randn(24, 320)
     on = layer(x)
-    packed_gemm.set_amx(False)
-    try:
-        off = layer(x)
-    finally:
-        packed_gemm.set_amx(True)
+    off = without_amx(layer, x)
     assert packed_gemm.amx()
     torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-5)
     assert not torch.equal(on, off) or x.abs().max() == 0  # a different order: the switch took effect
@@ -116,11 +121,7 @@ def test_amx_int8_gemm_is_the_vnni_kernels_bits(rows: int, out_features: int, in
     )
     x = torch.randn(rows, in_features)
     on = layer(x)
-    packed_gemm.set_amx(False)
-    try:
-        off = layer(x)
-    finally:
-        packed_gemm.set_amx(True)
+    off = without_amx(layer, x)
     assert torch.equal(on, off)
     assert layer.bias is not None
     expected = x @ layer.dequantize().T + layer.bias[:out_features]  # within int8 activations' error
@@ -134,11 +135,7 @@ def test_amx_int8_silu_mul_is_the_vnni_kernels_bits(rows: int) -> None:
     layer = Int8Linear.from_weight(torch.randn(2 * 64, 96) * 0.1, None, kernel="cpu")
     x = torch.randn(rows, 96)
     on = layer.silu_and_mul(x)
-    packed_gemm.set_amx(False)
-    try:
-        off = layer.silu_and_mul(x)
-    finally:
-        packed_gemm.set_amx(True)
+    off = without_amx(layer.silu_and_mul, x)
     assert torch.equal(on, off)
 
 

@@ -60,3 +60,29 @@ struct alignas(64) Config {
 }  // namespace tokenmill::tile
 
 #endif  // TM_AMX
+
+#include <cstdint>
+
+namespace tokenmill::tile {
+
+// This library's AMX kernels on (where the tile state is granted) or off; returns whether they run.
+// False in builds without AMX. ops/build.py calls it in every library through its set_amx binding.
+inline bool switch_to(bool on) {
+#ifdef TM_AMX
+  return set_enabled(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
+
+// Whether this library's AMX kernels run.
+inline bool on() {
+#ifdef TM_AMX
+  return enabled();
+#else
+  return false;
+#endif
+}
+
+}  // namespace tokenmill::tile

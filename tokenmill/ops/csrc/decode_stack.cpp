@@ -540,7 +540,7 @@ class DecodeStack {
 }  // namespace tokenmill
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("set_amx", &tokenmill::gemm::set_amx, "AMX tiles for bf16 GEMMs and attention on (where granted) or off");
+  m.def("set_amx", &tokenmill::tile::switch_to, "AMX tiles for bf16 GEMMs and attention on (where granted) or off");
   pybind11::class_<tokenmill::DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor, at::Tensor>())
       .def("add_layer", &tokenmill::DecodeStack::add_layer)

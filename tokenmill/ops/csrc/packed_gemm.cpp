@@ -10,7 +10,7 @@ TORCH_LIBRARY(tokenmill_quant, m) {
   m.def("packed_linear_silu_mul(Tensor x, Tensor packed, Tensor scale, Tensor bias, int N) -> Tensor");
   m.def("packed_gemm_isa() -> str", &tokenmill::gemm::isa);      // "avx512" | "avx2" | "scalar"
   m.def("packed_gemm_amx() -> bool", &tokenmill::gemm::amx_on);  // bf16 layers on AMX tiles
-  m.def("packed_gemm_set_amx(bool on) -> bool", &tokenmill::gemm::set_amx);
+  m.def("packed_gemm_set_amx(bool on) -> bool", &tokenmill::tile::switch_to);
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_quant, CPU, m) {

@@ -385,26 +385,10 @@ inline void int8_small(const Int16Rows& q, int64_t M, const int8_t* wp, int64_t 
 
 namespace tokenmill::gemm {
 
-// Whether bf16 layers run on AMX tiles (packed_gemm_amx.h): built with AMX-BF16, granted the tile
-// state by the kernel and not switched off. Otherwise they run the AVX-512 dot products (the same
-// packed weights, so the switch can flip between calls).
-inline bool amx_on() {
-#ifdef TM_AMX
-  return tile::enabled();
-#else
-  return false;
-#endif
-}
-
-// Switches the AMX kernels of this library on (where tile::permitted) or off; returns amx_on().
-inline bool set_amx(bool on) {
-#ifdef TM_AMX
-  return tile::set_enabled(on);
-#else
-  (void)on;
-  return false;
-#endif
-}
+// Whether bf16 layers run on AMX tiles (packed_gemm_amx.h), and int8 ones from amx::q8::kRows: built
+// with AMX, granted the tile state by the kernel and not switched off (tile::switch_to). Otherwise
+// the AVX-512 dot products run the same packed weights, so the switch can flip between calls.
+inline bool amx_on() { return tile::on(); }
 
 // Which kernels this build runs: "avx512" (bf16 activations rounded to bf16, dot products at every
 // row count; bf16 layers on AMX tiles where amx_on()), "avx2" (float32 arithmetic) or "scalar".

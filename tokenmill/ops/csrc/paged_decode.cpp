@@ -10,5 +10,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("avx512_supports", &tokenmill::attn::avx512_supports,
         "whether paged_attention serves this cache (then in its pair layout)");
   m.def("write_kv", &tokenmill::attn::write_kv, "k, v rows into their slots of a pair-layout cache");
-  m.def("set_amx", &tokenmill::attn::set_amx, "AMX tiles for the bf16-cache attention on (where granted) or off");
+  m.def("set_amx", &tokenmill::tile::switch_to, "AMX tiles for the bf16-cache attention on (where granted) or off");
 }

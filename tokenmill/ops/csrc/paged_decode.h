@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"  // tile::switch_to
 #include "avx2_math.h"
 
 namespace tokenmill::attn {
@@ -245,20 +246,6 @@ inline bool start_item(const float* q_item, float scale, int64_t num_heads, int6
 #include "paged_attention_avx512.h"  // uses balance above
 #define TM_ATTN_AVX512 1
 #endif
-
-namespace tokenmill::attn {
-
-// Switches this library's AMX kernels on (where the tile state is granted) or off; returns whether on.
-inline bool set_amx(bool on) {
-#ifdef TM_AMX
-  return tile::set_enabled(on);
-#else
-  (void)on;
-  return false;
-#endif
-}
-
-}  // namespace tokenmill::attn
 
 namespace tokenmill::attn {
 
