@@ -3,12 +3,14 @@ replica count the policy asks for."""
 
 from __future__ import annotations
 
+import argparse
 from types import SimpleNamespace
 
 import pytest
 
 from tokenmill.fleet.autoscaling import TokenLoadPolicy
 from tokenmill.fleet.config import FleetConfig, parse_autoscale
+from tokenmill.fleet.flags import add_fleet_flags, fleet_config
 
 
 def test_autoscale_takes_min_colon_max() -> None:
@@ -70,3 +72,11 @@ def test_a_single_server_reports_a_fleet_of_one() -> None:
     text = ServerMetrics("m").render().decode()
     for state in ("current", "target", "min", "max"):
         assert f'tokenmill:fleet_replicas{{model_name="m",state="{state}"}} 1.0' in text
+
+
+def test_fleet_flags_make_the_fleet_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_fleet_flags(parser)
+    args = parser.parse_args(["--autoscale", "1:3", "--cpus-per-replica", "2", "--fleet-router", "ray-default"])
+    assert fleet_config(args) == FleetConfig(min_replicas=1, max_replicas=3, cpus_per_replica=2.0, prefix_router=False)
+    assert fleet_config(parser.parse_args(["--replicas", "2"])) == FleetConfig(num_replicas=2)

@@ -7,7 +7,6 @@ where `args` holds `tokenmill serve` flags."""
 
 from __future__ import annotations
 
-import argparse
 import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -88,24 +87,9 @@ def build_app(args: dict[str, str]) -> Application:
     unknown = set(args) - {"args"}
     if unknown:
         raise ValueError(f'build_app takes one argument, args="<tokenmill serve flags>" (got {sorted(unknown)})')
-    from tokenmill.fleet.cli import serve_parser
+    from tokenmill.fleet.flags import fleet_config, serve_parser
     from tokenmill.server.cli import engine_and_server_config
 
     parsed = serve_parser().parse_args(shlex.split(args.get("args", "")))
     engine_args, config = engine_and_server_config(parsed)
     return fleet_application(engine_args, config, fleet_config(parsed))
-
-
-def fleet_config(args: argparse.Namespace) -> FleetConfig:
-    """The fleet settings of parsed `tokenmill serve` flags."""
-    from tokenmill.fleet.config import parse_autoscale
-
-    low, high = parse_autoscale(args.autoscale) if args.autoscale else (None, None)
-    return FleetConfig(
-        num_replicas=args.replicas or 1,
-        min_replicas=low,
-        max_replicas=high,
-        target_ongoing_requests=args.target_ongoing_requests,
-        cpus_per_replica=args.cpus_per_replica,
-        prefix_router=args.fleet_router == "prefix-aware",
-    )
