@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tokenmill.bench import hardware_info
-from tokenmill.bench.cli import add_bench_parser, cost_per_million_tokens, cost_report
+from tokenmill.bench.cli import add_bench_parser
+from tokenmill.bench.report import cost_per_million_tokens, cost_report
 from tokenmill.cli import main
 from tokenmill.loader import model_source
 from tokenmill.loader.model_source import resolve_dtype

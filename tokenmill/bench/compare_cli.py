@@ -107,8 +107,8 @@ def cmd_compare(args: argparse.Namespace) -> None:
         from tokenmill.bench.peers.isa import AVX2_ENV
 
         os.environ.update(AVX2_ENV)
-    from tokenmill.bench.cli import machine_info
     from tokenmill.bench.compare import CompareOptions, format_table, plot, run_compare
+    from tokenmill.bench.report import machine_info
 
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     engine_options = {}

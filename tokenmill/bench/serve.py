@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from tokenmill.bench.cli import add_cost_arg, cost_report, format_cost
 from tokenmill.bench.datasets import TOKEN_WORKLOADS, BenchRequest, make_workload
+from tokenmill.bench.report import add_cost_arg, cost_report, format_cost
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 
