@@ -40,7 +40,7 @@ _BANDWIDTH_BYTES = 256 * 2**20
 
 @dataclass
 class KernelPaths:
-    """The CPU paths tokenmill takes here, in words (README, "Which CPU paths run where")."""
+    """The CPU paths tokenmill takes here, in words (docs/cpu.md)."""
 
     build: str  # "avx512+amx", "avx512", "avx2" or "scalar": the instruction sets the compiled kernels use
     auto_dtype: str  # what dtype="auto" picks for a 16-bit (bf16/fp16) checkpoint
