@@ -11,30 +11,33 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the package path for type checkers; at run time the driver's folder is on sys.path
     from tokenmill.bench.peers.drivers.peer_protocol import (
         WARMUP_PROMPT,
+        Generate,
+        LoadedEngine,
         PeerPrompt,
         PeerRequest,
         PeerResult,
-        count_run,
+        in_static_batches,
         serve,
-        static_batches,
-        stopwatch,
+        time_engine,
     )
 else:
     from peer_protocol import (
         WARMUP_PROMPT,
+        Generate,
+        LoadedEngine,
         PeerPrompt,
         PeerRequest,
         PeerResult,
-        count_run,
+        in_static_batches,
         serve,
-        static_batches,
-        stopwatch,
+        time_engine,
     )
 
 DEFAULT_BATCH_SIZES = (16, 32, 64)
@@ -55,67 +58,60 @@ def drive(request: PeerRequest) -> PeerResult:
         raise RuntimeError(f"the ct2 peer runs {sorted(COMPUTE_TYPES)}, not {request.dtype}")
     if not request.weights:
         raise RuntimeError("the ct2 peer needs a converted CTranslate2 folder in request.weights")
+    weights = request.weights
     ctranslate2.set_random_seed(request.seed)
-    with stopwatch() as startup:
+    batch_sizes = [int(b) for b in request.options.get("batch_sizes", DEFAULT_BATCH_SIZES)]
+
+    def load() -> LoadedEngine:
         generator = ctranslate2.Generator(
-            request.weights,
+            weights,
             device="cpu",
             compute_type=COMPUTE_TYPES[request.dtype],
             intra_threads=request.threads,
             inter_threads=1,
         )
-        vocab = load_vocabulary(Path(request.weights))
+        vocab = load_vocabulary(Path(weights))
 
-    def generate_batch(prompts: list[PeerPrompt]) -> list[list[int]]:
-        temperatures = {p.temperature for p in prompts}
-        if len(temperatures) != 1:
-            raise RuntimeError("one static batch needs one temperature")
-        temperature = temperatures.pop()
-        new = max(p.output_len for p in prompts)
-        sampling = (
-            {"sampling_topk": 0, "sampling_topp": 1.0, "sampling_temperature": temperature}
-            if temperature > 0
-            else {"sampling_topk": 1}
+        def batched(batch_size: int) -> Generate:
+            return in_static_batches(partial(generate_batch, generator, vocab), batch_size)
+
+        return LoadedEngine(
+            version=ctranslate2.__version__,
+            generate=batched(2),
+            variants=[(f"batch {b}", batched(b)) for b in batch_sizes],
+            settings=lambda: {
+                "compute_type": COMPUTE_TYPES[request.dtype],
+                "batch_sizes": batch_sizes,
+                "intra_threads": request.threads,
+            },
+            notes=["static batches sorted by output length; ids past a request's output_len are not counted"],
+            warmup_prompts=[WARMUP_PROMPT, WARMUP_PROMPT],
         )
-        results = generator.generate_batch(
-            [[vocab[t] for t in p.prompt_token_ids] for p in prompts],
-            max_batch_size=0,
-            max_length=new,
-            min_length=new,
-            include_prompt_in_result=False,
-            **sampling,
-        )
-        return [list(r.sequences_ids[0]) for r in results]
 
-    def generate(prompts: list[PeerPrompt], batch_size: int) -> list[list[int]]:
-        outputs: list[list[int]] = [[] for _ in prompts]
-        for batch in static_batches(prompts, batch_size):
-            for i, ids in zip(batch, generate_batch([prompts[i] for i in batch])):
-                outputs[i] = ids
-        return outputs
+    return time_engine(request, load)
 
-    batch_sizes = [int(b) for b in request.options.get("batch_sizes", DEFAULT_BATCH_SIZES)]
-    with stopwatch() as warmup:
-        generate([WARMUP_PROMPT, WARMUP_PROMPT], 2)
-    runs = []
-    for prompts in request.runs:
-        for batch_size in batch_sizes:
-            with stopwatch() as sw:
-                outputs = generate(prompts, batch_size)
-            runs.append(count_run(prompts, outputs, sw.elapsed, variant=f"batch {batch_size}"))
-    return PeerResult(
-        engine=request.engine,
-        version=ctranslate2.__version__,
-        startup_s=startup.elapsed,
-        warmup_s=warmup.elapsed,
-        runs=runs,
-        settings={
-            "compute_type": COMPUTE_TYPES[request.dtype],
-            "batch_sizes": batch_sizes,
-            "intra_threads": request.threads,
-        },
-        notes=["static batches sorted by output length; ids past a request's output_len are not counted"],
+
+def generate_batch(generator: Any, vocab: list[str], prompts: list[PeerPrompt]) -> list[list[int]]:
+    """One static batch run to its longest request, EOS ignored (min_length = max_length)."""
+    temperatures = {p.temperature for p in prompts}
+    if len(temperatures) != 1:
+        raise RuntimeError("one static batch needs one temperature")
+    temperature = temperatures.pop()
+    new = max(p.output_len for p in prompts)
+    sampling = (
+        {"sampling_topk": 0, "sampling_topp": 1.0, "sampling_temperature": temperature}
+        if temperature > 0
+        else {"sampling_topk": 1}
     )
+    results = generator.generate_batch(
+        [[vocab[t] for t in p.prompt_token_ids] for p in prompts],
+        max_batch_size=0,
+        max_length=new,
+        min_length=new,
+        include_prompt_in_result=False,
+        **sampling,
+    )
+    return [list(r.sequences_ids[0]) for r in results]
 
 
 if __name__ == "__main__":

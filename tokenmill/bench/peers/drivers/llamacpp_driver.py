@@ -18,16 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the package path for type checkers; at run time the driver's folder is on sys.path
     from tokenmill.bench.peers.drivers.peer_protocol import (
-        WARMUP_PROMPT,
+        LoadedEngine,
         PeerPrompt,
         PeerRequest,
         PeerResult,
-        count_run,
         serve,
-        stopwatch,
+        time_engine,
     )
 else:
-    from peer_protocol import WARMUP_PROMPT, PeerPrompt, PeerRequest, PeerResult, count_run, serve, stopwatch
+    from peer_protocol import LoadedEngine, PeerPrompt, PeerRequest, PeerResult, serve, time_engine
 
 GGML_TYPES = {"f32": 0, "f16": 1, "bf16": 30}
 
@@ -156,45 +155,41 @@ def drive(request: PeerRequest) -> PeerResult:
     n_ctx = max_num_seqs * (longest + 1)
     kv_name = str(opts.get("kv_type", "f32" if request.dtype == "float32" else "f16"))
     n_batch, n_ubatch = int(opts.get("n_batch", 2048)), int(opts.get("n_ubatch", 512))
-    with stopwatch() as startup:
+    temperature = temperatures.pop() if temperatures else 0.0
+    kv_type, flash_attn = GGML_TYPES[kv_name], int(opts.get("flash_attn", -1))
+    gguf = request.weights
+
+    def load() -> LoadedEngine:
         llama = BatchedLlama(
             llama_cpp,
-            request.weights,
+            gguf,
             request.threads,
             max_num_seqs,
             n_ctx,
             n_batch,
             n_ubatch,
-            GGML_TYPES[kv_name],
-            int(opts.get("flash_attn", -1)),
-            temperatures.pop() if temperatures else 0.0,
+            kv_type,
+            flash_attn,
+            temperature,
             request.seed,
         )
-    with stopwatch() as warmup:
-        llama.generate([WARMUP_PROMPT])
-    runs = []
-    for prompts in request.runs:
-        with stopwatch() as sw:
-            outputs = llama.generate(prompts)
-        runs.append(count_run(prompts, outputs, sw.elapsed))
-    return PeerResult(
-        engine=request.engine,
-        version=llama_cpp.__version__,
-        startup_s=startup.elapsed,
-        warmup_s=warmup.elapsed,
-        runs=runs,
-        settings={
-            "gguf": request.weights,
-            "isa": _isa(llama_cpp.llama_print_system_info()),
-            "max_num_seqs": max_num_seqs,
-            "n_ctx": n_ctx,
-            "n_batch": n_batch,
-            "n_ubatch": n_ubatch,
-            "kv_type": kv_name,
-            "threads": request.threads,
-        },
-        notes=["continuous batching in the driver over llama_decode with one sequence id per request"],
-    )
+        return LoadedEngine(
+            version=llama_cpp.__version__,
+            generate=llama.generate,
+            settings=lambda: {
+                "gguf": gguf,
+                "isa": _isa(llama_cpp.llama_print_system_info()),
+                "max_num_seqs": max_num_seqs,
+                "n_ctx": n_ctx,
+                "n_batch": n_batch,
+                "n_ubatch": n_ubatch,
+                "kv_type": kv_name,
+                "threads": request.threads,
+            },
+            notes=["continuous batching in the driver over llama_decode with one sequence id per request"],
+        )
+
+    return time_engine(request, load)
 
 
 def _isa(system_info: bytes) -> str:

@@ -5,9 +5,10 @@ tokenmill), imports this file as a sibling module, and calls `serve(drive)`:
 
     python ct2_driver.py request.json result.json
 
-A driver loads its engine and weights (`startup_s`, untimed), warms up with one short request (`warmup_s`,
-untimed), then runs each entry of `request.runs` with all its requests submitted at once and times only
-that window. Output tokens are counted from the ids the engine itself returned.
+Every driver times its engine through one harness, `time_engine`: it loads the engine and weights
+(`startup_s`, untimed), warms up with one short request (`warmup_s`, untimed), then runs each entry of
+`request.runs` with all its requests submitted at once and times only that window. Output tokens are
+counted from the ids the engine itself returned. A driver only says how to load its engine and generate.
 """
 
 from __future__ import annotations
@@ -101,6 +102,10 @@ class PeerResult:
         return cls(**data)
 
 
+# Prompts in, the engine's output ids out (one list per prompt, in order), all prompts submitted at once.
+Generate = Callable[[list[PeerPrompt]], list[list[int]]]
+
+
 def count_run(
     prompts: list[PeerPrompt], outputs: list[list[int]], elapsed_s: float, variant: str | None = None
 ) -> RunResult:
@@ -123,6 +128,19 @@ def static_batches(prompts: list[PeerPrompt], batch_size: int) -> list[list[int]
     """Indices of `prompts` in batches of `batch_size`, sorted by output length, then prompt length."""
     order = sorted(range(len(prompts)), key=lambda i: (prompts[i].output_len, len(prompts[i].prompt_token_ids)))
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def in_static_batches(generate_batch: Generate, batch_size: int) -> Generate:
+    """`generate_batch` (one call per batch) over the `static_batches` of the prompts; outputs in prompt order."""
+
+    def generate(prompts: list[PeerPrompt]) -> list[list[int]]:
+        outputs: list[list[int]] = [[] for _ in prompts]
+        for batch in static_batches(prompts, batch_size):
+            for i, ids in zip(batch, generate_batch([prompts[i] for i in batch])):
+                outputs[i] = ids
+        return outputs
+
+    return generate
 
 
 def torch_cpu_capability() -> str:
@@ -151,6 +169,46 @@ def stopwatch() -> Iterator[Timing]:
 
 
 Driver = Callable[[PeerRequest], PeerResult]
+
+
+@dataclass(frozen=True)
+class LoadedEngine:
+    """What a driver's `load` returns to `time_engine`."""
+
+    version: str
+    generate: Generate  # for the warm-up, and for the runs when there are no variants
+    # settings the driver sweeps, each timed as its own run, e.g. [("batch 16", generate_in_batches_of_16)]
+    variants: list[tuple[str, Generate]] = field(default_factory=list)
+    # what the engine ran with, read after the timed runs (it may inspect the engine)
+    settings: Callable[[], dict[str, Any]] = dict
+    notes: list[str] = field(default_factory=list)
+    warmup_prompts: list[PeerPrompt] = field(default_factory=lambda: [WARMUP_PROMPT])
+
+
+def time_engine(request: PeerRequest, load: Callable[[], LoadedEngine]) -> PeerResult:
+    """The timing every driver shares: `load()` as startup_s (import the engine's modules and check the
+    request before, so neither counts), the warm-up as warmup_s, then each run of `request.runs` (once per
+    variant) with only its `generate` call inside the timed window."""
+    with stopwatch() as startup:
+        engine = load()
+    with stopwatch() as warmup:
+        engine.generate(engine.warmup_prompts)
+    timed: list[tuple[str | None, Generate]] = [*engine.variants] or [(None, engine.generate)]
+    runs = []
+    for prompts in request.runs:
+        for variant, generate in timed:
+            with stopwatch() as window:
+                outputs = generate(prompts)
+            runs.append(count_run(prompts, outputs, window.elapsed, variant))
+    return PeerResult(
+        engine=request.engine,
+        version=engine.version,
+        startup_s=startup.elapsed,
+        warmup_s=warmup.elapsed,
+        runs=runs,
+        settings=engine.settings(),
+        notes=engine.notes,
+    )
 
 
 def serve(drive: Driver, argv: list[str] | None = None) -> int:

@@ -5,20 +5,19 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the package path for type checkers; at run time the driver's folder is on sys.path
     from tokenmill.bench.peers.drivers.peer_protocol import (
-        WARMUP_PROMPT,
+        LoadedEngine,
         PeerPrompt,
         PeerRequest,
         PeerResult,
-        count_run,
         serve,
-        stopwatch,
+        time_engine,
     )
 else:
-    from peer_protocol import WARMUP_PROMPT, PeerPrompt, PeerRequest, PeerResult, count_run, serve, stopwatch
+    from peer_protocol import LoadedEngine, PeerPrompt, PeerRequest, PeerResult, serve, time_engine
 
 
 def drive(request: PeerRequest) -> PeerResult:
@@ -43,39 +42,33 @@ def drive(request: PeerRequest) -> PeerResult:
     def params(p: PeerPrompt) -> SamplingParams:
         return SamplingParams(max_tokens=p.output_len, temperature=p.temperature, ignore_eos=True)
 
-    def generate(prompts: list[PeerPrompt]) -> list[list[int]]:
-        outs = llm.generate(
-            [{"prompt_token_ids": p.prompt_token_ids} for p in prompts], [params(p) for p in prompts], use_tqdm=False
-        )
-        return [list(o.outputs[0].token_ids) for o in outs]
-
-    with stopwatch() as startup:
+    def load() -> LoadedEngine:
         llm = LLM(request.model, **kwargs)
-    with stopwatch() as warmup:
-        generate([WARMUP_PROMPT])
-    runs = []
-    for prompts in request.runs:
-        with stopwatch() as sw:
-            outputs = generate(prompts)
-        runs.append(count_run(prompts, outputs, sw.elapsed))
-    config = llm.config
-    return PeerResult(
-        engine=request.engine,
-        version=tokenmill.__version__,
-        startup_s=startup.elapsed,
-        warmup_s=warmup.elapsed,
-        runs=runs,
-        settings={
-            "dtype": config.model.dtype,
-            "isa": _kernel_paths(request.dtype),
-            "max_num_seqs": config.scheduler.max_num_seqs,
-            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
-            "block_size": config.cache.block_size,
-            "attention_backend": llm.engine.runner.backend.name,
-            "torch_threads": torch.get_num_threads(),
-            "pid": os.getpid(),
-        },
-    )
+
+        def generate(prompts: list[PeerPrompt]) -> list[list[int]]:
+            outs = llm.generate(
+                [{"prompt_token_ids": p.prompt_token_ids} for p in prompts],
+                [params(p) for p in prompts],
+                use_tqdm=False,
+            )
+            return [list(o.outputs[0].token_ids) for o in outs]
+
+        def settings() -> dict[str, Any]:
+            config = llm.config
+            return {
+                "dtype": config.model.dtype,
+                "isa": _kernel_paths(request.dtype),
+                "max_num_seqs": config.scheduler.max_num_seqs,
+                "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+                "block_size": config.cache.block_size,
+                "attention_backend": llm.engine.runner.backend.name,
+                "torch_threads": torch.get_num_threads(),
+                "pid": os.getpid(),
+            }
+
+        return LoadedEngine(version=tokenmill.__version__, generate=generate, settings=settings)
+
+    return time_engine(request, load)
 
 
 def _kernel_paths(dtype: str) -> str:

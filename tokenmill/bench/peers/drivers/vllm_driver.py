@@ -6,28 +6,26 @@ processes, hence the `__main__` guard. Options: max_num_seqs, max_num_batched_to
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the package path for type checkers; at run time the driver's folder is on sys.path
     from tokenmill.bench.peers.drivers.peer_protocol import (
-        WARMUP_PROMPT,
+        LoadedEngine,
         PeerPrompt,
         PeerRequest,
         PeerResult,
-        count_run,
         serve,
-        stopwatch,
+        time_engine,
         torch_cpu_capability,
     )
 else:
     from peer_protocol import (
-        WARMUP_PROMPT,
+        LoadedEngine,
         PeerPrompt,
         PeerRequest,
         PeerResult,
-        count_run,
         serve,
-        stopwatch,
+        time_engine,
         torch_cpu_capability,
     )
 
@@ -43,41 +41,33 @@ def drive(request: PeerRequest) -> PeerResult:
     kwargs = {k: request.options[k] for k in ("max_num_seqs", "max_num_batched_tokens") if k in request.options}
     max_model_len = int(request.options.get("max_model_len", max(longest, 64)))
 
-    def generate(prompts: list[PeerPrompt]) -> list[list[int]]:
-        outs = llm.generate(
-            [TokensPrompt(prompt_token_ids=p.prompt_token_ids) for p in prompts],
-            [
-                SamplingParams(max_tokens=p.output_len, temperature=p.temperature, ignore_eos=True, seed=None)
-                for p in prompts
-            ],
-            use_tqdm=False,
-        )
-        return [list(o.outputs[0].token_ids) for o in outs]
-
-    with stopwatch() as startup:
+    def load() -> LoadedEngine:
         llm = LLM(model=request.model, dtype=request.dtype, max_model_len=max_model_len, seed=request.seed, **kwargs)
-    with stopwatch() as warmup:
-        generate([WARMUP_PROMPT])
-    runs = []
-    for prompts in request.runs:
-        with stopwatch() as sw:
-            outputs = generate(prompts)
-        runs.append(count_run(prompts, outputs, sw.elapsed))
-    sched = llm.llm_engine.vllm_config.scheduler_config
-    return PeerResult(
-        engine=request.engine,
-        version=vllm.__version__,
-        startup_s=startup.elapsed,
-        warmup_s=warmup.elapsed,
-        runs=runs,
-        settings={
-            "dtype": request.dtype,
-            "isa": f"{torch_cpu_capability()}, {_vllm_kernels()}",
-            "max_model_len": max_model_len,
-            "max_num_seqs": sched.max_num_seqs,
-            "max_num_batched_tokens": sched.max_num_batched_tokens,
-        },
-    )
+
+        def generate(prompts: list[PeerPrompt]) -> list[list[int]]:
+            outs = llm.generate(
+                [TokensPrompt(prompt_token_ids=p.prompt_token_ids) for p in prompts],
+                [
+                    SamplingParams(max_tokens=p.output_len, temperature=p.temperature, ignore_eos=True, seed=None)
+                    for p in prompts
+                ],
+                use_tqdm=False,
+            )
+            return [list(o.outputs[0].token_ids) for o in outs]
+
+        def settings() -> dict[str, Any]:
+            sched = llm.llm_engine.vllm_config.scheduler_config
+            return {
+                "dtype": request.dtype,
+                "isa": f"{torch_cpu_capability()}, {_vllm_kernels()}",
+                "max_model_len": max_model_len,
+                "max_num_seqs": sched.max_num_seqs,
+                "max_num_batched_tokens": sched.max_num_batched_tokens,
+            }
+
+        return LoadedEngine(version=vllm.__version__, generate=generate, settings=settings)
+
+    return time_engine(request, load)
 
 
 def _vllm_kernels() -> str:
