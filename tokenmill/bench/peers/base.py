@@ -76,12 +76,6 @@ def is_set_up(name: str) -> bool:
     return (root / "setup.json").is_file() and venv_python(root).is_file()
 
 
-def setup_record(name: str) -> dict:
-    """What `setup-peer` wrote when it succeeded (versions, seconds, size), or {}."""
-    path = peer_root(name) / "setup.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def not_set_up_note(name: str) -> str:
     failed = peer_root(name) / "setup-failed.json"
     why = ""
