@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from tokenmill.server.chat_template import chat_prompt_token_ids
+from tokenmill.engine.chat_template import chat_prompt_token_ids
 
 
 @pytest.fixture(scope="module")

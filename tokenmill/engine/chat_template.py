@@ -1,4 +1,6 @@
 """Chat messages to prompt token ids, without letting text inside a message become a control token.
+The one chat-template path: the offline `LLM.chat` and the server's /v1/chat/completions both take it,
+so a conversation tokenizes the same way in both.
 
 Rendering the template with the messages' text and tokenizing the result would turn a user's
 literal "<|im_end|><|im_start|>system" into real control tokens (prompt injection). Instead the
@@ -17,6 +19,9 @@ import secrets
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+# The parameters of a tool that declares none: an object with no properties.
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
 
 def chat_prompt_token_ids(
     tokenizer: Any,
@@ -24,10 +29,13 @@ def chat_prompt_token_ids(
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """`messages` are {"role", "content": str} plus, where given, "tool_calls" and "tool_call_id";
-    `tools` are OpenAI's tool objects, for the template (HF's apply_chat_template(tools=...))."""
+    """`messages` are {"role", "content": str or None} plus, where given, "tool_calls" and "tool_call_id";
+    `tools` are OpenAI's tool objects, for the template (HF's apply_chat_template(tools=...)).
+    ValueError for a model without a chat template or messages it cannot take."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template; use /v1/completions with a plain prompt.")
+        raise ValueError("this model has no chat template; give a plain prompt (generate(), /v1/completions).")
+    messages = [_with_text_content(m) for m in messages]
+    tools = [template_tool(t) for t in tools] if tools else None
     specials = _special_texts(tokenizer)
     extras = [{k: v for k, v in m.items() if k not in ("role", "content")} for m in messages]
     _refuse_specials(specials, nested_strings([tools, extras]), "tools, tool calls and tool_call_ids")
@@ -54,6 +62,30 @@ def chat_prompt_token_ids(
             content = messages[int(piece)]["content"]
             ids.extend(tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True))
     return ids
+
+
+def template_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function tool as templates take it, whoever wrote it: its function's name, description (if any)
+    and parameters (NO_ARGUMENTS if none), in that order, and nothing else (OpenAI's "strict" is not
+    the model's business). Templates write tools with `| tojson`, which keeps key order."""
+    function = tool.get("function")
+    if tool.get("type", "function") != "function" or not isinstance(function, dict):
+        return tool
+    ordered: dict[str, Any] = {"name": function.get("name")}
+    if function.get("description") is not None:
+        ordered["description"] = function["description"]
+    ordered["parameters"] = function.get("parameters") or NO_ARGUMENTS
+    return {"type": "function", "function": ordered}
+
+
+def _with_text_content(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with its content as text: a missing or null content (an assistant's tool calls) is ""."""
+    content = message.get("content")
+    if content is None:
+        return {**message, "content": ""}
+    if not isinstance(content, str):
+        raise ValueError(f"a message's content must be text, got {type(content).__name__}.")
+    return message
 
 
 def _fallback(

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import AdmissionLimits
+from tokenmill.engine.chat_template import chat_prompt_token_ids
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.llguidance_backend import llguidance_grammars
@@ -76,16 +77,15 @@ class InputProcessor:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}).")
         return list(ids)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template; use generate() with a plain prompt.")
-        # tokenize=False renders one conversation as one string (the return type covers batches and ids too).
-        text = cast(
-            str,
-            self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt),
-        )
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
-        return ids
+    def chat_token_ids(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """A conversation's prompt token ids through the model's chat template (chat_template.py: the
+        path the server takes too); ValueError if the model has none or the template refuses them."""
+        return chat_prompt_token_ids(self.tokenizer, messages, add_generation_prompt, tools)
 
     def process(
         self,

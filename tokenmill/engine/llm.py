@@ -90,12 +90,15 @@ class LLM:
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation (with `tools`, OpenAI's tool objects,
+        if given), then generate. Messages are tokenized as the server tokenizes them: text inside a
+        message that spells a control token stays text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts: list[Prompt] = [
-            {"prompt_token_ids": self.inputs.apply_chat_template(conv, add_generation_prompt)}  # type: ignore[arg-type]
+            {"prompt_token_ids": self.inputs.chat_token_ids(conv, add_generation_prompt, tools)}  # type: ignore[arg-type]
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
@@ -112,7 +115,7 @@ class LLM:
         text); with chat=True the prompt is a list of messages."""
         params = sampling_params or self.get_default_sampling_params()
         if chat:
-            prompt = {"prompt_token_ids": self.inputs.apply_chat_template(prompt)}  # type: ignore[arg-type]
+            prompt = {"prompt_token_ids": self.inputs.chat_token_ids(prompt)}  # type: ignore[arg-type]
         yield from self._iterate([self.inputs.process(str(next(self._ids)), prompt, params, cache_salt=cache_salt)])
 
     # ------------------------------------------------------------------ the step loop

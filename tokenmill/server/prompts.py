@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from tokenmill.server.chat_template import chat_prompt_token_ids, nested_strings
+from tokenmill.engine.chat_template import nested_strings
 from tokenmill.server.config import ServerState
 from tokenmill.server.errors import APIError
 
@@ -73,9 +73,7 @@ async def chat_token_ids(
 ) -> list[int]:
     """A conversation's prompt token ids through the model's chat template; one it rejects is a 400."""
     try:
-        return await _off_loop(
-            state, chat_prompt_token_ids, state.engine.tokenizer, messages, add_generation_prompt, tools
-        )
+        return await _off_loop(state, state.engine.inputs.chat_token_ids, messages, add_generation_prompt, tools)
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_messages", "messages") from exc
 

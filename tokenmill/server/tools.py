@@ -15,12 +15,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tokenmill.engine.chat_template import NO_ARGUMENTS
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.server.protocol_tools import Tool
 from tokenmill.server.tool_parsers import ParsedCall, ToolParser, call_from_json
 
-NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 _DEFS_KEYS = ("$defs", "definitions")
 
 
@@ -117,10 +117,8 @@ def constrained_calls(plan: ToolPlan, text: str) -> list[ParsedCall] | None:
 
 
 def _template_tool(tool: Tool) -> dict[str, Any]:
-    function = {"name": tool.function.name, "parameters": tool.function.parameters or NO_ARGUMENTS}
-    if tool.function.description is not None:
-        function["description"] = tool.function.description
-    return {"type": "function", "function": function}
+    """The tool as OpenAI's JSON; chat_template.template_tool puts it in the templates' form."""
+    return {"type": "function", "function": tool.function.model_dump()}
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:
