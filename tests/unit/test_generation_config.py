@@ -16,7 +16,7 @@ from tokenmill.loader.default_model import DEFAULT_MODEL_SAMPLING, _add_model_ca
 from tokenmill.loader.generation_config import load_sampling_defaults, parse_sampling_defaults
 from tokenmill.sampling_params import OPENAI_SAMPLING_DEFAULTS, with_defaults
 from tokenmill.server.protocol import ChatCompletionRequest
-from tokenmill.server.serving import sampling_params
+from tokenmill.server.sampling import sampling_params
 
 # A generation_config.json as Qwen2.5-Instruct ships it: token ids, do_sample, and the sampling keys.
 QWEN_STYLE = {

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import AdmissionLimits
 from tokenmill.engine.chat_template import chat_prompt_token_ids
+from tokenmill.engine.request_limits import NO_CAPS, RequestCaps, resolve_max_tokens
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.llguidance_backend import llguidance_grammars
@@ -95,10 +96,13 @@ class InputProcessor:
         priority: int = 0,
         prompt_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
+        caps: RequestCaps = NO_CAPS,
     ) -> PreparedRequest:
         """Validate everything before anything is queued: a bad request raises ValueError and
         leaves the engine untouched. `cache_salt` keeps the request's prefix-cache blocks apart from
-        those of requests with another salt (or none); a dict prompt may carry its own "cache_salt"."""
+        those of requests with another salt (or none); a dict prompt may carry its own "cache_salt".
+        max_tokens is resolved here, once (request_limits.py): None takes the caps' default, or the
+        room the prompt leaves; min_tokens is clamped to it."""
         if cache_salt is None and isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt")
         check_cache_salt(cache_salt)
@@ -109,13 +113,11 @@ class InputProcessor:
         params.check_vocab(self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids).")
+        max_tokens = resolve_max_tokens(self.limits, len(ids), params.max_tokens, caps)
+        if max_tokens != params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)  # a bad schema, regex or grammar: ValueError
-        max_len = self.limits.max_model_len
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=max(1, max_len - len(ids)))
-        assert params.max_tokens is not None
-        self.limits.check(len(ids), params.max_tokens)
         children = self._fan_out(request_id, ids, params, priority, cache_salt)
         return PreparedRequest(request_id, text, ids, params, children)
 

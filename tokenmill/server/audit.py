@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from tokenmill.server.serving import Job
+    from tokenmill.server.job import Job
 
 AUDITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 SCOPE_KEY = "tokenmill_audit"  # the request's AuditRecord, for the routes to fill in

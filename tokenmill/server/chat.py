@@ -1,8 +1,10 @@
 """POST /v1/chat/completions: messages through the model's chat template, streamed or not; with tools,
-the reply's tool calls (tools.py, tool_output.py)."""
+the reply's tool calls (tools.py, tool_output.py). A request goes parse (the body, its tools and
+constraint) -> prepare (the engine's shared preparation, prepare.py) -> admit -> stream or finish."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,10 +13,13 @@ from fastapi.responses import JSONResponse
 
 from tokenmill.engine.input_processor import PreparedRequest
 from tokenmill.outputs import TokenLogprobs
-from tokenmill.server import serving
+from tokenmill.server.admission import admit
 from tokenmill.server.config import ServerState
 from tokenmill.server.constraints import output_constraint
 from tokenmill.server.errors import APIError
+from tokenmill.server.job import Job, run_job
+from tokenmill.server.limits import check_logit_bias, check_n
+from tokenmill.server.prepare import prepare
 from tokenmill.server.prompts import chat_token_ids, check_messages_size
 from tokenmill.server.protocol import (
     AssistantMessage,
@@ -28,20 +33,23 @@ from tokenmill.server.protocol import (
     new_id,
     now,
 )
+from tokenmill.server.sampling import sampling_params
+from tokenmill.server.streaming import JobStreamingResponse, finish, sse
+from tokenmill.server.token_text import decoded, finite
 from tokenmill.server.tool_output import ReplyStream, whole_reply
 from tokenmill.server.tools import ToolPlan, plan_tools, template_message
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request, key: str) -> Any:
-    arrival = serving.monotonic()
+    arrival = time.monotonic()
     request_id = new_id("chatcmpl")
     with state.limiter.charging_refusals(key):
         prepared, plan = await _prepare(state, body, key, request_id)
-        job = serving.admit(state, key, [prepared], arrival, body)
+        job = admit(state, key, [prepared], arrival, body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return serving.JobStreamingResponse(state, job, _stream(state, body, plan, job, request_id, include_usage))
-    await serving.finish(state, job, request)
+        return JobStreamingResponse(state, job, _stream(state, body, plan, job, request_id, include_usage))
+    await finish(state, job, request)
     top = (body.top_logprobs or 0) if body.logprobs else None
     choices = []
     for out in job.outputs[0].outputs:
@@ -67,24 +75,23 @@ async def _prepare(
     state.check_model(body.model)
     state.check_accepting()
     _refuse_unsupported(body)
-    serving.check_n(state, body.n)
-    serving.check_logit_bias(state, body.logit_bias)
+    check_n(state, body.n)
+    check_logit_bias(state, body.logit_bias)
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true.", "invalid_request", "top_logprobs")
     plan = plan_tools(body, state.tool_parser)
     constraint = output_constraint(body, body.response_format, plan.schema)
     messages = [template_message(m) for m in body.messages]
     check_messages_size(state, messages, plan.template_tools)
     ids = await chat_token_ids(state, messages, body.add_generation_prompt, plan.template_tools)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = serving.resolve_max_tokens(state, requested, len(ids), state.default_max_tokens)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    if body.top_logprobs and not body.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs: true.", "invalid_request", "top_logprobs")
     try:
-        params = serving.sampling_params(body, max_tokens, top, None, state.sampling_defaults, constraint)
+        params = sampling_params(body, requested, top, None, state.sampling_defaults, constraint)
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_request") from exc
     priority, salt = state.priority(key, body.priority), state.cache_salt(key, body.cache_salt)
-    return await serving.prepare(state, request_id, None, ids, params, priority, salt), plan
+    return await prepare(state, request_id, None, ids, params, priority, salt, state.default_max_tokens), plan
 
 
 _REFUSED = {
@@ -119,18 +126,18 @@ def _logprobs(state: ServerState, token_ids: list[int], entries: list[TokenLogpr
     tok = state.engine.tokenizer
     content = []
     for token_id, entry in zip(token_ids, entries):
-        text = serving.decoded(tok, token_id, entry)
+        text = decoded(tok, token_id, entry)
         sampled = entry.get(token_id)
         ranked = sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
         content.append(
             TokenLogprobEntry(
                 token=text,
-                logprob=serving.finite(sampled.logprob) if sampled else -9999.0,
+                logprob=finite(sampled.logprob) if sampled else -9999.0,
                 bytes=list(text.encode()),
                 top_logprobs=[
                     TopLogprob(
-                        token=(t_text := serving.decoded(tok, t, entry)),
-                        logprob=serving.finite(lp.logprob),
+                        token=(t_text := decoded(tok, t, entry)),
+                        logprob=finite(lp.logprob),
                         bytes=list(t_text.encode()),
                     )
                     for t, lp in ranked[: top or 0]
@@ -144,7 +151,7 @@ async def _stream(
     state: ServerState,
     body: ChatCompletionRequest,
     plan: ToolPlan,
-    job: serving.Job,
+    job: Job,
     request_id: str,
     include_usage: bool,
 ) -> AsyncIterator[str]:
@@ -161,7 +168,7 @@ async def _stream(
         }
         if usage is not None:
             data["usage"] = usage
-        return serving.sse(data)
+        return sse(data)
 
     # The role comes first, once per choice, as OpenAI sends it (content null when it will be tool calls).
     first = {"role": "assistant", "content": None if plan.constrained else ""}
@@ -169,7 +176,7 @@ async def _stream(
     sent_tokens = [0] * body.n
     replies = [ReplyStream(plan) for _ in range(body.n)]
     done: set[int] = set()  # every output of a request repeats its finished choices: they were sent
-    async for _, output in serving.run_job(state, job):
+    async for _, output in run_job(state, job):
         for out in output.outputs:
             start = sent_tokens[out.index]
             if out.index in done or (len(out.token_ids) == start and not out.delta_text and not out.finished):

@@ -1,7 +1,9 @@
-"""POST /v1/completions: text or token-id prompts (or a batch of them), streamed or not."""
+"""POST /v1/completions: text or token-id prompts (or a batch of them), streamed or not. A request goes
+parse (its prompts) -> prepare (the engine's shared preparation, prepare.py) -> admit -> stream or finish."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,10 +12,13 @@ from fastapi.responses import JSONResponse
 
 from tokenmill.engine.input_processor import PreparedRequest
 from tokenmill.outputs import CompletionOutput, TokenLogprobs
-from tokenmill.server import serving
+from tokenmill.server.admission import admit
 from tokenmill.server.config import ServerState
 from tokenmill.server.constraints import output_constraint
 from tokenmill.server.errors import APIError
+from tokenmill.server.job import Job, run_job
+from tokenmill.server.limits import check_logit_bias, check_n, check_prompt_logprobs
+from tokenmill.server.prepare import prepare
 from tokenmill.server.prompts import check_prompt_size, tokenize
 from tokenmill.server.protocol import (
     CompletionChoice,
@@ -23,6 +28,9 @@ from tokenmill.server.protocol import (
     new_id,
     now,
 )
+from tokenmill.server.sampling import sampling_params
+from tokenmill.server.streaming import JobStreamingResponse, finish, sse
+from tokenmill.server.token_text import decoded, finite
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -37,15 +45,15 @@ def _prompts(body: CompletionRequest) -> list[str | list[int]]:
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, request: Request, key: str) -> Any:
-    arrival = serving.monotonic()
+    arrival = time.monotonic()
     request_id = new_id("cmpl")
     with state.limiter.charging_refusals(key):
         prepared = await _prepare(state, body, key, request_id)
-        job = serving.admit(state, key, prepared, arrival, body)
+        job = admit(state, key, prepared, arrival, body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return serving.JobStreamingResponse(state, job, _stream(state, body, job, request_id, include_usage))
-    await serving.finish(state, job, request)
+        return JobStreamingResponse(state, job, _stream(state, body, job, request_id, include_usage))
+    await finish(state, job, request)
     choices = []
     for i, prepared_req in enumerate(prepared):
         for out in job.outputs[i].outputs:
@@ -72,26 +80,25 @@ async def _prepare(state: ServerState, body: CompletionRequest, key: str, reques
     if body.suffix:
         raise APIError(400, "suffix is not supported.", "unsupported_parameter", "suffix")
     prompts = _prompts(body)
-    serving.check_n(state, body.n, len(prompts))
-    serving.check_logit_bias(state, body.logit_bias)
+    check_n(state, body.n, len(prompts))
+    check_logit_bias(state, body.logit_bias)
     for prompt in prompts:
         check_prompt_size(state, prompt)
     constraint = output_constraint(body)
+    prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
+    try:
+        params = sampling_params(body, body.max_tokens, body.logprobs, prompt_lps, state.sampling_defaults, constraint)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "invalid_request") from exc
+    priority, salt = state.priority(key, body.priority), state.cache_salt(key, body.cache_salt)
+    default_max_tokens = state.default_max_tokens or DEFAULT_MAX_TOKENS
     prepared = []
     for i, prompt in enumerate(prompts):
         text, ids = await tokenize(state, prompt)
-        default_max_tokens = state.default_max_tokens or DEFAULT_MAX_TOKENS
-        max_tokens = serving.resolve_max_tokens(state, body.max_tokens, len(ids), default_max_tokens)
-        prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
-        try:
-            params = serving.sampling_params(
-                body, max_tokens, body.logprobs, prompt_lps, state.sampling_defaults, constraint
-            )
-        except ValueError as exc:
-            raise APIError(400, str(exc), "invalid_request") from exc
-        priority, salt = state.priority(key, body.priority), state.cache_salt(key, body.cache_salt)
-        prepared.append(await serving.prepare(state, f"{request_id}-{i}", text, ids, params, priority, salt))
-    serving.check_prompt_logprobs(state, prepared)
+        prepared.append(
+            await prepare(state, f"{request_id}-{i}", text, ids, params, priority, salt, default_max_tokens)
+        )
+    check_prompt_logprobs(state, prepared)
     return prepared
 
 
@@ -128,12 +135,12 @@ def _logprobs(
     tok = state.engine.tokenizer
     result = CompletionLogprobs()
     for token_id, entry in zip(token_ids, entries):
-        text = serving.decoded(tok, token_id, entry)
+        text = decoded(tok, token_id, entry)
         result.tokens.append(text)
         sampled = (entry or {}).get(token_id)
-        result.token_logprobs.append(serving.finite(sampled.logprob) if sampled else None)
+        result.token_logprobs.append(finite(sampled.logprob) if sampled else None)
         result.top_logprobs.append(
-            {serving.decoded(tok, t, entry): serving.finite(lp.logprob) for t, lp in entry.items()} if entry else None
+            {decoded(tok, t, entry): finite(lp.logprob) for t, lp in entry.items()} if entry else None
         )
         result.text_offset.append(offset)
         offset += len(text)
@@ -141,12 +148,12 @@ def _logprobs(
 
 
 async def _stream(
-    state: ServerState, body: CompletionRequest, job: serving.Job, request_id: str, include_usage: bool
+    state: ServerState, body: CompletionRequest, job: Job, request_id: str, include_usage: bool
 ) -> AsyncIterator[str]:
     created, n = now(), body.n
     sent_tokens: dict[int, int] = {}  # choice index -> tokens already sent
     offsets: dict[int, int] = {}
-    async for i, output in serving.run_job(state, job):
+    async for i, output in run_job(state, job):
         prepared = job.prepared[i]
         for out in output.outputs:
             index = i * n + out.index
@@ -170,7 +177,7 @@ async def _stream(
             choice = CompletionChoice(
                 index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason, stop_reason=out.stop_reason
             )
-            yield serving.sse(
+            yield sse(
                 {
                     "id": request_id,
                     "object": "text_completion",
@@ -180,7 +187,7 @@ async def _stream(
                 }
             )
     if include_usage:
-        yield serving.sse(
+        yield sse(
             {
                 "id": request_id,
                 "object": "text_completion",
