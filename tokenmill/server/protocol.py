@@ -339,15 +339,6 @@ class AssistantMessage(_Out):
     tool_calls: list[ToolCall] | None = None
 
 
-class ToolCallDelta(_Out):
-    """A streamed tool call: id, type and name come in its first delta; arguments may come in pieces."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: dict[str, str] | None = None
-
-
 class ChatChoice(_Out):
     index: int
     message: AssistantMessage
@@ -362,28 +353,6 @@ class ChatCompletionResponse(_Out):
     created: int = Field(default_factory=now)
     model: str
     choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-
-
-class DeltaMessage(_Out):
-    role: str | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-
-class ChatChunkChoice(_Out):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(_Out):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
 
 
