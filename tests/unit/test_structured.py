@@ -264,6 +264,30 @@ def test_an_invalid_spec_raises_value_error_with_llguidances_message(
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (StructuredOutputsParams(regex="(unclosed"), "unclosed group"),
+        (StructuredOutputsParams(grammar="start: foo"), 'unknown name: "foo"'),
+        (StructuredOutputsParams(json={"type": "string", "minLength": 5, "maxLength": 2}), "minLength (5) is greater"),
+        (StructuredOutputsParams(json={"type": "objekt"}), "Invalid type: objekt"),
+        (StructuredOutputsParams(json="{not json"), "line 1 column 2"),
+    ],
+)
+def test_the_front_end_check_gives_the_compilers_message_without_compiling(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch, spec: StructuredOutputsParams, message: str
+) -> None:
+    def no_backend(*args: object) -> None:
+        raise AssertionError("the front end built llguidance's tokenizer view")
+
+    monkeypatch.setattr(LLGuidanceBackend, "__init__", no_backend)
+    inputs = InputProcessor(tokenizer, VOCAB, [EOS], LIMITS)  # as AsyncEngine makes it: the engine compiles
+    inputs.process("ok", "hello", SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a", "b"])))
+    with pytest.raises(ValueError, match=f"structured_outputs.{spec.kind} is invalid") as info:
+        inputs.process("bad", "hello", SamplingParams(structured_outputs=spec))
+    assert message in str(info.value)
+
+
 def test_input_processor_rejects_a_bad_spec_or_a_model_without_tokenizer(tokenizer: Any) -> None:
     bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[z-a]"))
     with pytest.raises(ValueError, match="structured_outputs.regex is invalid"):

@@ -11,8 +11,8 @@ from tokenmill.core.scheduler import AdmissionLimits
 from tokenmill.engine.chat_template import chat_prompt_token_ids
 from tokenmill.engine.request_limits import NO_CAPS, RequestCaps, resolve_max_tokens
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured.compiler import GrammarCompiler
-from tokenmill.structured.llguidance_backend import llguidance_grammars
+from tokenmill.structured.backend import GrammarChecker
+from tokenmill.structured.llguidance_backend import LLGuidanceChecker
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -43,15 +43,16 @@ class InputProcessor:
         vocab_size: int,
         eos_token_ids: list[int],
         limits: AdmissionLimits,
-        grammars: GrammarCompiler | None = None,
+        grammars: GrammarChecker | None = None,
     ) -> None:
-        """`grammars` checks structured_outputs (share the engine's where it runs in this process);
-        without one, the processor makes its own from `tokenizer` on the first such request."""
+        """`grammars` checks structured_outputs: the engine's own compiler where the engine runs in this
+        process (LLM: the engine's compile is then a cache hit), else a check without the tokenizer
+        (the engine, in its process, compiles each grammar once)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.limits = limits
-        self.grammars = grammars if grammars is not None else llguidance_grammars(tokenizer, vocab_size, eos_token_ids)
+        self.grammars = grammars if grammars is not None else LLGuidanceChecker(tokenizer)
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -117,7 +118,7 @@ class InputProcessor:
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
         if params.structured_outputs is not None:
-            self.grammars.compile(params.structured_outputs)  # a bad schema, regex or grammar: ValueError
+            self.grammars.check(params.structured_outputs)  # a bad schema, regex or grammar: ValueError
         children = self._fan_out(request_id, ids, params, priority, cache_salt)
         return PreparedRequest(request_id, text, ids, params, children)
 

@@ -54,3 +54,12 @@ class GrammarBackend(Protocol):
     def compile(self, spec: StructuredOutputsParams) -> Grammar:
         """Raises ValueError, with the library's message, for a schema, regex or grammar it rejects."""
         ...
+
+
+class GrammarChecker(Protocol):
+    """What a front end needs: whether a spec compiles, without keeping (or, in another process than the
+    engine's, even building) the grammar."""
+
+    def check(self, spec: StructuredOutputsParams) -> None:
+        """Raises ValueError, with the library's message, for a spec that would not compile."""
+        ...

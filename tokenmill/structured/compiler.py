@@ -39,6 +39,10 @@ class GrammarCompiler:
             self._backend = self._make_backend()
         return self._backend
 
+    def check(self, spec: StructuredOutputsParams) -> None:
+        """Compile (and cache) `spec`: where the engine shares this compiler, its compile is a cache hit."""
+        self.compile(spec)
+
     def compile(self, spec: StructuredOutputsParams) -> Grammar:
         """The grammar for `spec`, compiled or from the cache; ValueError with the backend's message if
         the schema, regex or grammar is invalid."""

@@ -14,7 +14,7 @@ from tokenmill.structured.compiler import GrammarCompiler
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 # JSON on one line, with or without a space after ':' and ',': unbounded whitespace (llguidance's
 # default) lets a weak model emit blank lines forever. A schema with its own "x-guidance" options
@@ -50,20 +50,48 @@ def llguidance_grammars(
     return GrammarCompiler(lambda: LLGuidanceBackend(tokenizer, vocab_size, eos_token_ids))
 
 
+def _require_fast(tokenizer: PreTrainedTokenizerBase | None) -> PreTrainedTokenizerFast:
+    from transformers import PreTrainedTokenizerFast
+
+    if tokenizer is None:
+        raise ValueError("structured output needs the model's tokenizer, and this model has none.")
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):  # llguidance reads the Rust tokenizer
+        raise ValueError(f"structured output needs a fast tokenizer (tokenizer.json), not {type(tokenizer).__name__}.")
+    return tokenizer
+
+
+def _checked_text(spec: StructuredOutputsParams) -> str:
+    try:
+        return grammar_text(spec)
+    except ValueError as exc:  # JSON text that does not parse, or a schema that is not an object
+        raise ValueError(f"structured_outputs.{spec.kind} is invalid: {exc}") from exc
+
+
+class LLGuidanceChecker:
+    """A front end's check of specs, for an engine that compiles them in its own process: llguidance
+    validates the grammar without the tokenizer, so the front end neither reads the vocabulary nor
+    compiles the grammar the engine will compile (once) for the request."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
+        self.tokenizer = tokenizer
+
+    def check(self, spec: StructuredOutputsParams) -> None:
+        _require_fast(self.tokenizer)
+        error = llguidance.LLMatcher.validate_grammar(_checked_text(spec))
+        if error:
+            raise ValueError(f"structured_outputs.{spec.kind} is invalid: {error}")
+
+
 class LLGuidanceBackend:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: list[int]) -> None:
         """`vocab_size`: the logits' width. llguidance's view of the tokenizer covers it (ids past the
         tokenizer's are never allowed) and lets the grammar end on any of `eos_token_ids`. Building it
         reads the whole vocabulary (about a second for 150k tokens): once per tokenizer."""
         import llguidance.hf  # with transformers: imported only where a tokenizer is read
-        from transformers import PreTrainedTokenizerFast
 
-        if not isinstance(tokenizer, PreTrainedTokenizerFast):  # llguidance reads the Rust tokenizer
-            raise ValueError(
-                f"structured output needs a fast tokenizer (tokenizer.json), not {type(tokenizer).__name__}."
-            )
-        n_vocab = max(vocab_size, len(tokenizer))
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab, eos_token_ids or None)
+        fast = _require_fast(tokenizer)
+        n_vocab = max(vocab_size, len(fast))
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(fast, n_vocab, eos_token_ids or None)
         self._num_words = -(-n_vocab // 32)
 
     @property
@@ -71,11 +99,7 @@ class LLGuidanceBackend:
         return self._num_words
 
     def compile(self, spec: StructuredOutputsParams) -> LLGuidanceGrammar:
-        try:
-            text = grammar_text(spec)
-        except ValueError as exc:  # JSON text that does not parse, or a schema that is not an object
-            raise ValueError(f"structured_outputs.{spec.kind} is invalid: {exc}") from exc
-        start = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0)  # compiles (GIL released)
+        start = llguidance.LLMatcher(self.ll_tokenizer, _checked_text(spec), log_level=0)  # compiles (GIL released)
         if start.is_error():
             raise ValueError(f"structured_outputs.{spec.kind} is invalid: {start.get_error()}")
         return LLGuidanceGrammar(start)
