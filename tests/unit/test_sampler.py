@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tokenmill.outputs import Logprob
-from tokenmill.sample import sampler
+from tokenmill.sample import distribution
 from tokenmill.sample.logprobs import compute_topk_logprobs, to_token_logprobs
 from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sample.penalties import apply_penalties
@@ -261,10 +261,10 @@ def test_top_k_top_p_among_candidates_keeps_what_the_full_sort_keeps(vocab_size:
     top_k = torch.tensor([vocab_size, vocab_size, vocab_size, 40, 600, vocab_size, 1, 5])
     top_p = torch.tensor([0.9, 0.95, 1.0, 0.5, 0.9, 1.0, 0.3, 0.99])
     fast, full = logits.clone(), logits.clone()
-    sampler._apply_top_k_top_p(fast, top_k, top_p)
-    sampler._apply_top_k_top_p_sorted(full, top_k, top_p)
+    distribution._apply_top_k_top_p(fast, top_k, top_p)
+    distribution._apply_top_k_top_p_sorted(full, top_k, top_p)
     assert torch.equal(fast.isfinite(), full.isfinite())
     kept = full.isfinite()
     assert torch.equal(fast[kept], logits[kept])
     assert kept[2].all() and kept[5].all()  # no filter
-    assert kept[1].sum() > sampler.TOP_CANDIDATES and kept[7].sum() == 5  # the sort; a top-k of 5
+    assert kept[1].sum() > distribution.TOP_CANDIDATES and kept[7].sum() == 5  # the sort; a top-k of 5

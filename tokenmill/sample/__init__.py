@@ -3,6 +3,8 @@ top-p / min-p, per-request seeds, and logprobs.
 
 Per step: `meta = SamplingMetadata.build(...)`, then `Sampler()(logits, meta)`, with the step's
 `TokenBitmask` (from tokenmill.structured) as a third argument when some rows are constrained.
+distribution.py defines the distribution each row draws from, once, for the sampler and for
+speculative decoding (the draft's q, the target's p in rejection.py).
 """
 
 from tokenmill.sample.logprobs import compute_topk_logprobs, to_token_logprobs

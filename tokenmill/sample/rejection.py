@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.sample.distribution import inverse_cdf
+
 
 def rejection_sample(
     target_probs: torch.Tensor,  # [num_rows, vocab_size] float32, rows sum to 1; num_rows = sum(k_i + 1)
@@ -68,7 +70,7 @@ def rejection_sample(
     rejected_draft = (final_rows - torch.arange(num_reqs, device=device)).clamp_(0, max(total_drafts - 1, 0))
     p_final = target_probs[final_rows].to(torch.float64)  # [num_reqs, vocab_size]
     dist = _correction_distribution(p_final, rejected, rejected_draft, draft_ids, draft_probs)
-    recovered = _inverse_cdf(dist, recover_uniforms.to(device, torch.float64))  # [num_reqs] int64
+    recovered = inverse_cdf(dist, recover_uniforms.to(device, torch.float64))  # [num_reqs] int64
 
     counts_and_tokens: list[list[int]] = torch.stack([num_accepted, recovered]).tolist()  # the one sync
     return [
@@ -135,17 +137,6 @@ def _correction_distribution(
         residual = (p_final - draft_probs[rejected_draft]).clamp_(min=0.0)  # [num_reqs, vocab_size]
         use_p = (residual.sum(dim=1) <= 0.0).logical_or_(~rejected).unsqueeze(1)  # [num_reqs, 1]
     return torch.where(use_p, p_final, residual)
-
-
-def _inverse_cdf(
-    dist: torch.Tensor,  # [num_reqs, vocab_size] float64, unnormalized, nonnegative
-    uniforms: torch.Tensor,  # [num_reqs] float64 in [0, 1)
-) -> torch.Tensor:
-    """One token per row, [num_reqs] int64: the first whose cumulative probability exceeds the uniform
-    times the row's total (right=True), so a zero-probability token (a flat step of the cdf) never wins."""
-    cdf = dist.cumsum(dim=1)  # [num_reqs, vocab_size]
-    targets = (uniforms * cdf[:, -1]).unsqueeze(1)  # [num_reqs, 1]
-    return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=dist.shape[1] - 1)
 
 
 def _check_shapes(

@@ -1,5 +1,6 @@
 """A smaller model with the target's vocabulary proposes the drafts: its argmax for greedy requests,
-a draw at the request's temperature for sampled ones (verified by rejection sampling against it).
+a draw from the request's sampling distribution for sampled ones (verified by rejection sampling
+against it).
 
 The draft runs on the same engine: the same attention backend, the same block tables (its own KV
 tensors, one block for every target block, so the scheduler's allocation serves both) and, on CPU, the
@@ -19,6 +20,8 @@ import torch
 
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.models.fused_decode import FusedDecode
+from tokenmill.sample.distribution import filtered_probs, inverse_cdf, row_uniforms
+from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.proposer import Proposal
 
@@ -101,23 +104,42 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor]],
     ) -> None:
         """Each active request's next draft: the argmax for a greedy request; for a sampled one a draw
-        from softmax(logits / temperature), kept as q for the rejection sampler (seeded requests draw
-        from their seed and the draft's position, so their output depends on nothing else)."""
-        greedy = logits.argmax(dim=-1).tolist()
+        from the request's temperature / top-k / top-p / min-p distribution (sample/distribution.py,
+        the pipeline the target's p comes from, so q lies close to p), kept as q for the rejection
+        sampler. Seeded requests draw from their seed and the draft's position, so their output depends
+        on nothing else."""
+        picked = logits.argmax(dim=-1).tolist()
+        rows = [row for row, i in enumerate(active) if not params[i].greedy]
+        q_rows: list[torch.Tensor] = [_NO_PROBS] * len(active)
+        if rows:
+            n = len(rows)
+            positions = [len(token_ids[active[row]]) + step for row in rows]
+            meta = SamplingMetadata.build(
+                params=[params[active[row]] for row in rows],
+                prompt_token_ids=[[]] * n,  # q is the filtered distribution only: no penalties
+                output_token_ids=[[]] * n,
+                generators=[self._draft_generator(params[active[row]], pos) for row, pos in zip(rows, positions)],
+                eos_token_ids=[],
+                vocab_size=logits.shape[1],
+                device=self.device,
+            )
+            index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            q = filtered_probs(logits[index].float(), meta)  # [n, vocab]
+            tokens = inverse_cdf(q, row_uniforms(meta, n, self.device)).tolist()
+            for row, token, q_row in zip(rows, tokens, q.unbind()):
+                picked[row] = token
+                q_rows[row] = q_row
         for row, i in enumerate(active):
-            p = params[i]
-            if p.greedy:
-                drafts[i].append(greedy[row])
-                probs[i].append(_NO_PROBS)
-                continue
-            q = torch.softmax(logits[row].float() / p.temperature, dim=-1)  # [vocab]
-            generator = None
-            if p.seed is not None:
-                generator = torch.Generator(self.device)
-                generator.manual_seed((p.seed * _SEED_STRIDE + len(token_ids[i]) + step + _DRAFT_SALT) % 2**64)
-            token = int(torch.multinomial(q, 1, generator=generator))
-            drafts[i].append(token)
-            probs[i].append(q)
+            drafts[i].append(picked[row])
+            probs[i].append(q_rows[row])
+
+    def _draft_generator(self, params: SamplingParams, position: int) -> torch.Generator | None:
+        """A seeded request's generator for its draft at `position`, None for an unseeded one."""
+        if params.seed is None:
+            return None
+        generator = torch.Generator(self.device)
+        generator.manual_seed((params.seed * _SEED_STRIDE + position + _DRAFT_SALT) % 2**64)
+        return generator
 
     def _catch_up(self, req_ids: list[str], token_ids: list[list[int]], block_ids: list[list[int]]) -> torch.Tensor:
         """Feed each request's committed tokens the draft has not seen; returns the logits of its last

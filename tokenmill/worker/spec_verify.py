@@ -18,9 +18,9 @@ from collections.abc import Callable
 import torch
 
 from tokenmill.sample.bitmask import TokenBitmask
+from tokenmill.sample.distribution import sampling_probs
 from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sample.rejection import greedy_verify, rejection_sample
-from tokenmill.sample.sampler import sampling_probs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.input_batch import RunnerRequestState
 
