@@ -95,12 +95,6 @@ def test_numpy_input_and_list_input_give_the_same_draft() -> None:
         assert proposer.propose(np.array(tokens, dtype=dtype), max_draft=3) == [8, 9, 10]
 
 
-def test_propose_batch_is_propose_per_request() -> None:
-    proposer = NgramProposer(num_speculative_tokens=3, min_n=2, max_n=4)
-    sequences: list[list[int]] = [[1, 5, 6, 7, 8, 9, 10, 2, 5, 6, 7], [1, 2, 3], [1, 2, 7, 8, 9, 10, 11, 1, 2]]
-    assert proposer.propose_batch(sequences, max_drafts=[3, 3, 1]) == [[8, 9, 10], [], [7]]
-
-
 @pytest.mark.parametrize(("min_n", "max_n"), [(1, 1), (1, 3), (2, 5), (3, 4)])
 def test_matches_the_reference_on_random_sequences(min_n: int, max_n: int) -> None:
     rng = np.random.default_rng(1234 + 10 * min_n + max_n)

@@ -58,12 +58,8 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return pairs.transpose(1, 2).reshape(weight.shape)
 
 
-def load_gguf_state_dict(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
-    """Read a GGUF file into HF-named tensors (dequantized, cast to ``dtype``) and a HF config."""
-    return _load_checkpoint(GGUFReader(Path(path)), dtype)
-
-
 def _load_checkpoint(reader: GGUFReader, dtype: torch.dtype) -> GGUFCheckpoint:
+    """The file's tensors under HF names (dequantized, cast to ``dtype``) and its HF config."""
     arch = read_arch(reader)
     config = read_config(reader, arch)
     state_dict: dict[str, torch.Tensor] = {}

@@ -44,12 +44,6 @@ class NgramProposer:
         draft: list[int] = tokens[end + 1 : end + 1 + num_draft].tolist()
         return draft
 
-    def propose_batch(
-        self, sequences: Sequence[Sequence[int] | npt.NDArray[np.integer]], max_drafts: Sequence[int]
-    ) -> list[list[int]]:
-        """`propose` for each request; the lookups are independent, so this is a plain loop."""
-        return [self.propose(tokens, max_draft) for tokens, max_draft in zip(sequences, max_drafts)]
-
 
 def _as_array(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.integer]:
     if isinstance(token_ids, np.ndarray):
