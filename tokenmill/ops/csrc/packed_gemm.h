@@ -100,7 +100,7 @@ inline void store_row(const __m256 (&acc)[2], float row_scale, const float* scal
 // One activation row against one bf16 (or float32) panel, 16 output channels, over all of K: one sum per output in k
 // order, as tile_widened's for several rows (interleaved partial sums would keep more FMAs in flight,
 // but round differently), so a row's result is the same bits alone (decode) or among others (prefill, a
-// batch, a speculative verification step), as on AVX-512 (see unroll_for in packed_gemm_avx512.h).
+// batch, a speculative verification step), as on AVX-512 (see tile_bf16 in packed_gemm_avx512.h).
 template <typename W>
 inline void row_panel(const float* x, const W* panel, int64_t K, const float* scale, const float* bias, float* y,
                       int64_t num_cols) {

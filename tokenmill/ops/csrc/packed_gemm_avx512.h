@@ -46,14 +46,6 @@ constexpr int64_t kGroup = 32;      // int8: activation values per scale (8 quad
 constexpr int64_t kRowBlock = 128;  // activation rows kept hot (L2) while a thread's panels stream past
 constexpr int kStreams = 2;         // weight streams per thread with one activation row
 
-// Partial sums per output: one, in k order, for every tile shape. A row's result is then the same
-// bits whether it runs alone (decode), in a tile of 8 (prefill, a batch) or as one of a request's
-// verified positions (speculative decoding), so greedy output never depends on the batch: rows that
-// were split into 4 sums to hide the dot products' latency rounded differently from 8-row tiles, and
-// the next layer's bf16 rounding of the activations grew that into different tokens. Measured: no
-// slower at batch 1 (memory bound), where the split sums were meant to help.
-constexpr int unroll_for(int) { return 1; }
-
 // ------------------------------------------------------------------------------- activations
 // A buffer the conversion overwrites: no zeroing pass (a prefill's activations are megabytes).
 template <typename T>
@@ -140,20 +132,23 @@ constexpr Fetch near_fetch() {
 // ------------------------------------------------------------------------------- bf16 weights
 // NP panels x MR rows over all K2 / 2 pairs: out[p][i] holds row i's 16 channels of panel p.
 // x: the rows' tile of bf16_tiles.
+// One partial sum per output, in k order, for every tile shape. A row's result is then the same bits
+// whether it runs alone (decode), in a tile of 8 (prefill, a batch) or as one of a request's verified
+// positions (speculative decoding), so greedy output never depends on the batch: rows split into 4
+// sums to hide the dot products' latency rounded differently from 8-row tiles, and the next layer's
+// bf16 rounding of the activations grew that into different tokens. Measured: no slower at batch 1
+// (memory bound), where the split sums were meant to help.
 template <int NP, int MR>
 inline void tile_bf16(const uint32_t* x, const uint16_t* const (&panels)[NP], int64_t K2, Fetch fetch,
                       __m512 (&out)[NP][MR]) {
-  constexpr int U = unroll_for(NP * MR);
-  __m512 acc[U][NP][MR];
+  __m512 acc[NP][MR];
 #pragma GCC unroll 4
-  for (int u = 0; u < U; ++u)
-#pragma GCC unroll 4
-    for (int p = 0; p < NP; ++p)
+  for (int p = 0; p < NP; ++p)
 #pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) acc[u][p][i] = _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) acc[p][i] = _mm512_setzero_ps();
   const int64_t pairs = K2 / 2;                      // one 64-byte weight line per panel each
   int64_t next = fetch.ahead ? fetch.slice : pairs;  // the next line to request
-  const auto step = [&](int u, int64_t t) __attribute__((always_inline)) {
+  for (int64_t t = 0; t < pairs; ++t) {
     if (t == next) {
 #pragma GCC unroll 4
       for (int p = 0; p < NP; ++p)
@@ -166,24 +161,14 @@ inline void tile_bf16(const uint32_t* x, const uint16_t* const (&panels)[NP], in
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[t * kRows + i]));
-        acc[u][p][i] = _mm512_dpbf16_ps(acc[u][p][i], xv, wv);
+        acc[p][i] = _mm512_dpbf16_ps(acc[p][i], xv, wv);
       }
     }
-  };
-  int64_t t = 0;
-  for (; t + U <= pairs; t += U) {
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) step(u, t + u);
   }
-  for (; t < pairs; ++t) step(0, t);
 #pragma GCC unroll 4
   for (int p = 0; p < NP; ++p)
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      out[p][i] = acc[0][p][i];
-#pragma GCC unroll 4
-      for (int u = 1; u < U; ++u) out[p][i] = _mm512_add_ps(out[p][i], acc[u][p][i]);
-    }
+    for (int i = 0; i < MR; ++i) out[p][i] = acc[p][i];
 }
 
 // ------------------------------------------------------------------------------- int8 weights

@@ -45,11 +45,6 @@ constexpr int64_t ahead_blocks() {
 // attend_head): the values must arrive during the scores. Well inside L2.
 constexpr int64_t kFetchAllBytes = 256 * 1024;
 
-// One sum per score, in head_dim order, for every tile's row count, so a query's scores are the same
-// bits alone (decode) or in a tile of a prompt chunk or a speculative verification (see unroll_for in
-// packed_gemm_avx512.h: a batch must never change a greedy token).
-constexpr int unroll_for(int) { return 1; }
-
 // Requests `bytes` from p on into L2, not L1: L1 tracks few misses at a time, too few to cover the
 // latency of blocks that lie anywhere in the pool (hence prefetcht2, not prefetcht0).
 inline void fetch(const void* p, int64_t bytes) {
@@ -234,51 +229,43 @@ inline float softmax_to_int16(float* s, int64_t n, const float* weight, uint32_t
 
 // ------------------------------------------------------------------------------- the dot products
 // s[r][0, 16) = q[r] . k[t] for the 16 keys of one block (kt: the head's chunk); q: [R][D/2] bf16 pairs.
-// (The last parameter, the int8 overload's query steps, is unused here.)
+// (The last parameter, the int8 overload's query steps, is unused here.) One sum per score, in head_dim
+// order, for every tile's row count, so a query's scores are the same bits alone (decode) or in a tile
+// of a prompt chunk or a speculative verification (see tile_bf16 in packed_gemm_avx512.h: a batch must
+// never change a greedy token).
 template <int R, int C>
 inline void block_scores(const uint32_t* q, const at::BFloat16* kt, float* s, int64_t s_stride, const float*) {
-  constexpr int U = unroll_for(R), kPairs = 8 * C;
-  __m512 acc[U][R];
-  for (int u = 0; u < U; ++u)
-    for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
+  constexpr int kPairs = 8 * C;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
 #pragma GCC unroll 4
-  for (int i = 0; i < kPairs; i += U)
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) {
-      const __m512bh k = (__m512bh)_mm512_loadu_si512(kt + (i + u) * 32);
+  for (int i = 0; i < kPairs; ++i) {
+    const __m512bh k = (__m512bh)_mm512_loadu_si512(kt + i * 32);
 #pragma GCC unroll 12
-      for (int r = 0; r < R; ++r)
-        acc[u][r] =
-            _mm512_dpbf16_ps(acc[u][r], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * kPairs + i + u])), k);
-    }
-  for (int r = 0; r < R; ++r) {
-    for (int u = 1; u < U; ++u) acc[0][r] = _mm512_add_ps(acc[0][r], acc[u][r]);
-    _mm512_storeu_ps(s + r * s_stride, acc[0][r]);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * kPairs + i])), k);
   }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + r * s_stride, acc[r]);
 }
 
 // The same over an int8 chunk: q: [R][D/2] int16 pairs, row r in steps of q_step[r]; the int32 sums
 // scaled by q_step[r] times each key's scale.
 template <int R, int C>
 inline void block_scores(const uint32_t* q, const int8_t* kt, float* s, int64_t s_stride, const float* q_step) {
-  constexpr int U = unroll_for(R), kPairs = 8 * C;
-  __m512i acc[U][R];
-  for (int u = 0; u < U; ++u)
-    for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_si512();
+  constexpr int kPairs = 8 * C;
+  __m512i acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
-  for (int i = 0; i < kPairs; i += U)
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) {
-      const __m512i k = widen_pairs(kt + (i + u) * 32);
+  for (int i = 0; i < kPairs; ++i) {
+    const __m512i k = widen_pairs(kt + i * 32);
 #pragma GCC unroll 12
-      for (int r = 0; r < R; ++r)
-        acc[u][r] = _mm512_dpwssd_epi32(acc[u][r], k, _mm512_set1_epi32(static_cast<int>(q[r * kPairs + i + u])));
-    }
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpwssd_epi32(acc[r], k, _mm512_set1_epi32(static_cast<int>(q[r * kPairs + i])));
+  }
   const __m512 k_scale = _mm512_loadu_ps(scales_of<C>(kt));
   for (int r = 0; r < R; ++r) {
-    for (int u = 1; u < U; ++u) acc[0][r] = _mm512_add_epi32(acc[0][r], acc[u][r]);
     const __m512 scale = _mm512_mul_ps(k_scale, _mm512_set1_ps(q_step[r]));
-    _mm512_storeu_ps(s + r * s_stride, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[0][r]), scale));
+    _mm512_storeu_ps(s + r * s_stride, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), scale));
   }
 }
 
