@@ -167,23 +167,11 @@ class SamplingParams:
                 raise ValueError(f"token id {tok} is outside the vocabulary (size {vocab_size}).")
 
 
-def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    """SamplingParams -> plain fields for msgpack (the engine process's and the executor's wire formats)."""
-    fields = dataclasses.asdict(params)
+def params_for_wire(params: SamplingParams) -> SamplingParams:
+    """`params` fit for msgpack (tokenmill.wire): a dict JSON schema as its JSON text, the same grammar
+    under the same compile-cache key, since msgpack cannot carry the integers past 64 bits that a
+    schema may hold. Returns `params` itself when there is nothing to change."""
     spec = params.structured_outputs
-    if spec is not None:
-        # [kind, value, whether the value is a dict schema sent as its JSON text]: msgpack cannot carry
-        # integers past 64 bits, which a JSON schema may hold.
-        value = getattr(spec, spec.kind)
-        is_dict = isinstance(value, dict)
-        fields["structured_outputs"] = [spec.kind, json.dumps(value) if is_dict else value, is_dict]
-    return fields
-
-
-def params_from_wire(fields: dict[str, Any]) -> SamplingParams:
-    """The inverse of params_to_wire."""
-    spec = fields.pop("structured_outputs")
-    if spec is not None:
-        kind, value, is_dict = spec
-        spec = StructuredOutputsParams(**{kind: json.loads(value) if is_dict else value})
-    return SamplingParams(**fields, structured_outputs=spec)
+    if spec is None or not isinstance(spec.json, dict):
+        return params
+    return dataclasses.replace(params, structured_outputs=dataclasses.replace(spec, json=json.dumps(spec.json)))

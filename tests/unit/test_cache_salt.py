@@ -8,9 +8,8 @@ import pytest
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import AdmissionLimits
-from tokenmill.engine import core_wire as wire
 from tokenmill.engine.input_processor import InputProcessor
-from tokenmill.engine.messages import AddRequests
+from tokenmill.engine.messages import COMMANDS, AddRequests, NewRequest, build_requests
 from tokenmill.sampling_params import SamplingParams
 
 BS = 4
@@ -103,7 +102,9 @@ def test_every_sample_of_n_carries_the_salt_and_a_dict_prompt_may_give_it() -> N
 def test_the_salt_crosses_the_engine_pipe(salt: str | None) -> None:
     leader = make_request("r#0", [1, 2, 3], salt)
     follower = Request("r#1", [1, 2, 3], SamplingParams(max_tokens=8), prefill_leader=leader, cache_salt=salt)
-    decoded = wire.decode_command(wire.encode_command(AddRequests(7, [leader, follower])))
+    sent = AddRequests(7, [NewRequest.of(leader), NewRequest.of(follower)])
+    decoded = COMMANDS.decode(COMMANDS.encode(sent))
     assert isinstance(decoded, AddRequests)
-    assert [r.cache_salt for r in decoded.requests] == [salt, salt]
-    assert decoded.requests[1].prefill_leader is decoded.requests[0]
+    built = build_requests(decoded.requests)
+    assert [r.cache_salt for r in built] == [salt, salt]
+    assert built[1].prefill_leader is built[0]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tokenmill.core.request import Request, fresh_copies
+from tokenmill.core.request import Request
+from tokenmill.engine.messages import NewRequest, build_requests
 from tokenmill.engine.restart_policy import RestartPolicy
 from tokenmill.sampling_params import SamplingParams
 
@@ -19,13 +20,14 @@ def test_zero_turns_restarts_off_and_back_off_doubles() -> None:
     assert RestartPolicy(attempts=3, first_delay_s=0.5).delays() == [0.5, 1.0, 2.0]
 
 
-def test_fresh_copies_forget_the_dead_engines_state() -> None:
+def test_a_new_engine_builds_fresh_requests_from_what_the_front_end_sent() -> None:
     params = SamplingParams(max_tokens=4)
     leader = Request("r#0", [1, 2, 3], params, cache_salt="s")
     follower = Request("r#1", [1, 2, 3], params, prefill_leader=leader, cache_salt="s")
-    leader.num_computed_tokens, leader.output_token_ids, leader.num_preemptions = 3, [7], 1
-    copies = fresh_copies([leader, follower])
-    assert [c.req_id for c in copies] == ["r#0", "r#1"]
-    assert copies[0].num_computed_tokens == 0 and copies[0].output_token_ids == [] and copies[0].num_preemptions == 0
-    assert copies[1].prefill_leader is copies[0]  # the link points into the copies, not the old requests
-    assert copies[0].arrival_time == leader.arrival_time and copies[1].cache_salt == "s"
+    sent = [NewRequest.of(leader), NewRequest.of(follower)]
+    leader.num_computed_tokens, leader.output_token_ids, leader.num_preemptions = 3, [7], 1  # the dead engine's state
+    built = build_requests(sent)
+    assert [c.req_id for c in built] == ["r#0", "r#1"]
+    assert built[0].num_computed_tokens == 0 and built[0].output_token_ids == [] and built[0].num_preemptions == 0
+    assert built[1].prefill_leader is built[0]  # the link points into the new requests
+    assert built[0].arrival_time == leader.arrival_time and built[1].cache_salt == "s"

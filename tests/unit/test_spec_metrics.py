@@ -7,10 +7,9 @@ from __future__ import annotations
 import dataclasses
 
 from tokenmill.core.request import Request
-from tokenmill.engine import core_wire as wire
 from tokenmill.engine.async_engine import RequestStream
-from tokenmill.engine.llm import _metrics
-from tokenmill.engine.messages import EngineSnapshot, EngineStep, RequestTimings
+from tokenmill.engine.messages import EVENTS, EngineSnapshot, EngineStep, NewRequest, RequestTimings
+from tokenmill.engine.request_metrics import merge_request_metrics
 from tokenmill.metrics.prometheus import ServerMetrics
 from tokenmill.outputs import EngineCoreOutput
 from tokenmill.sampling_params import SamplingParams
@@ -84,17 +83,17 @@ def test_the_spec_counts_cross_the_pipe() -> None:
     snapshot = _snapshot(5, 20, 10, (4, 3, 2, 1))
     timings = RequestTimings(1.0, 2.0, 3.0, 0, 16, num_draft_tokens=12, num_accepted_tokens=7)
     step = EngineStep([EngineCoreOutput("a", [5])], snapshot, {"a": timings})
-    decoded = wire.decode_event(wire.encode_event(step))
+    decoded = EVENTS.decode(EVENTS.encode(step))
     assert isinstance(decoded, EngineStep)
     assert decoded.snapshot == snapshot  # the per-position list comes back as the snapshot's tuple
     assert decoded.timings["a"] == timings
 
 
-def test_timings_carry_a_requests_draft_counts_to_the_front_ends_copy() -> None:
-    engine_copy, front_copy = _request("a"), _request("a")
-    engine_copy.num_draft_tokens, engine_copy.num_accepted_tokens = 12, 7
-    RequestTimings.of(engine_copy).apply_to(front_copy)
-    assert (front_copy.num_draft_tokens, front_copy.num_accepted_tokens) == (12, 7)
+def test_timings_carry_a_requests_draft_counts() -> None:
+    request = _request("a")
+    request.num_draft_tokens, request.num_accepted_tokens = 12, 7
+    timings = RequestTimings.of(request)
+    assert (timings.num_draft_tokens, timings.num_accepted_tokens) == (12, 7)
 
 
 # ---------------------------------------------------------------------- per request
@@ -105,12 +104,15 @@ def _request(req_id: str, drafts: int = 0, accepted: int = 0) -> Request:
 
 
 def test_llm_metrics_sum_the_draft_counts_of_a_requests_samples() -> None:
-    metrics = _metrics([_request("r#0", 8, 5), _request("r#1", 4, 1)])  # n=2
+    samples = [_request("r#0", 8, 5), _request("r#1", 4, 1)]  # n=2
+    metrics = merge_request_metrics(0.0, [RequestTimings.of(r) for r in samples])
     assert (metrics.num_draft_tokens, metrics.num_accepted_tokens) == (12, 6)
 
 
 def test_async_engine_metrics_sum_the_draft_counts_of_a_requests_samples() -> None:
-    stream = RequestStream("r", [_request("r#0", 8, 5), _request("r#1", 4, 1)], 3, 0.0)
+    samples = [_request("r#0", 8, 5), _request("r#1", 4, 1)]
+    stream = RequestStream("r", [NewRequest.of(r) for r in samples], 3, 0.0)
+    stream.timings = {r.req_id: RequestTimings.of(r) for r in samples}  # as the engine sent them
     metrics = stream.metrics()
     assert (metrics.num_draft_tokens, metrics.num_accepted_tokens) == (12, 6)
 

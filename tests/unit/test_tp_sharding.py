@@ -13,12 +13,12 @@ from torch import nn
 
 from tokenmill.distributed import parallel_state
 from tokenmill.distributed.parallel_state import TensorParallelGroup
-from tokenmill.executor.messages import ExecuteStep, decode_command, encode_command
+from tokenmill.executor.messages import WORKER_COMMANDS, ExecuteStep
 from tokenmill.executor.rank_setup import cores_for_rank
 from tokenmill.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.models.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from tokenmill.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams, params_for_wire
 
 T = TypeVar("T")
 D = 4  # head_dim
@@ -127,12 +127,15 @@ def test_each_rank_gets_its_own_contiguous_cores(cores: list[int], world_size: i
 
 
 def test_a_step_message_round_trips_through_msgpack() -> None:
-    params = SamplingParams(
-        temperature=0.7,
-        seed=3,
-        logit_bias={5: -1.0},
-        stop=["x"],
-        structured_outputs=StructuredOutputsParams(json={"type": "integer", "maximum": 2**70}),
+    # As EngineCore.add_request hands them on: a dict schema as its text (integers past 64 bits).
+    params = params_for_wire(
+        SamplingParams(
+            temperature=0.7,
+            seed=3,
+            logit_bias={5: -1.0},
+            stop=["x"],
+            structured_outputs=StructuredOutputsParams(json={"type": "integer", "maximum": 2**70}),
+        )
     )
     sched = SchedulerOutput(
         new_requests=[NewRequestData("a", [1, 2, 3], [4], params, [0, 1], 2)],
@@ -142,6 +145,6 @@ def test_a_step_message_round_trips_through_msgpack() -> None:
         finished_req_ids={"c", "d"},
         scheduled_spec_tokens={"b": [9, 8]},
     )
-    decoded = decode_command(encode_command(ExecuteStep(sched)))
+    decoded = WORKER_COMMANDS.decode(WORKER_COMMANDS.encode(ExecuteStep(sched)))
     assert decoded == ExecuteStep(sched)
     assert isinstance(decoded, ExecuteStep) and list(decoded.sched.num_scheduled_tokens) == ["b", "a"]

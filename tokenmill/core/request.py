@@ -101,22 +101,3 @@ class Request:
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-
-def fresh_copies(children: list[Request]) -> list[Request]:
-    """New, never-scheduled requests with the same identity and inputs as `children` (one user
-    request's samples), to queue again on a new engine; prefill leaders point into the copies."""
-    copies: dict[int, Request] = {}
-    for child in children:
-        leader = copies.get(id(child.prefill_leader)) if child.prefill_leader is not None else None
-        copies[id(child)] = Request(
-            child.req_id,
-            child.prompt_token_ids,
-            child.sampling_params,
-            child.eos_token_ids,
-            child.priority,
-            child.arrival_time,
-            prefill_leader=leader,
-            cache_salt=child.cache_salt,
-        )
-    return list(copies.values())

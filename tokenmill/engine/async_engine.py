@@ -34,16 +34,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.config import EngineArgs
-from tokenmill.core.request import Request, RequestStatus, fresh_copies
+from tokenmill.core.request import RequestStatus
 from tokenmill.engine.core_client import CoreClient, ProcessCoreClient, ThreadCoreClient
 from tokenmill.engine.core_loop import EngineDeadError
 from tokenmill.engine.engine_args import create_engine_config
 from tokenmill.engine.input_processor import InputProcessor, PreparedRequest, Prompt
-from tokenmill.engine.messages import EngineSnapshot
+from tokenmill.engine.messages import EngineSnapshot, EngineStep, NewRequest, RequestTimings
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.request_metrics import merge_request_metrics
 from tokenmill.engine.restart_policy import RestartPolicy
 from tokenmill.loader.hf import load_tokenizer
-from tokenmill.outputs import EngineCoreOutput, RequestMetrics, RequestOutput
+from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -68,10 +69,12 @@ class StatsListener(Protocol):
 
 @dataclass(eq=False)
 class RequestStream:
-    """One request's outputs on their way to its consumer, plus the timings metrics need."""
+    """One request's outputs on their way to its consumer, plus the timings metrics need. The front
+    end's whole view of a request: what it sent (`children`, to send again to a new engine) and the
+    core timings the engine last sent for each child; it mirrors no core Request."""
 
     request_id: str
-    children: list[Request]
+    children: list[NewRequest]
     num_prompt_tokens: int
     arrival_time: float  # time.monotonic() when the caller first saw the request
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
@@ -81,22 +84,12 @@ class RequestStream:
     finished: bool = False
     delivered: bool = False  # an output has reached the consumer: it cannot be replayed on a new engine
     requeued: bool = False  # queued again once after an engine died
+    timings: dict[str, RequestTimings] = field(default_factory=dict)  # child req_id -> latest from the engine
 
     def metrics(self) -> RequestMetrics:
         """Core timings (queue, prefill, decode) of the request's children, merged."""
-        first = self.children[0]
-        first_tokens = [c.first_token_time for c in self.children if c.first_token_time is not None]
-        scheduled = [c.first_scheduled_time for c in self.children if c.first_scheduled_time is not None]
-        return RequestMetrics(
-            arrival_time=first.arrival_time,
-            first_scheduled_time=min(scheduled) if scheduled else None,
-            first_token_time=min(first_tokens) if first_tokens else None,
-            finished_time=max((c.finished_time or 0.0) for c in self.children) or None,
-            num_preemptions=sum(c.num_preemptions for c in self.children),
-            num_cached_tokens=first.num_cached_tokens,
-            num_draft_tokens=sum(c.num_draft_tokens for c in self.children),
-            num_accepted_tokens=sum(c.num_accepted_tokens for c in self.children),
-        )
+        known = [self.timings[c.req_id] for c in self.children if c.req_id in self.timings]
+        return merge_request_metrics(self.children[0].arrival_time, known)
 
 
 class AsyncEngine:
@@ -124,13 +117,14 @@ class AsyncEngine:
         self.stall_timeout_s = stall_timeout_s
         self.stats: StatsListener | None = None
         self.streams: dict[str, RequestStream] = {}
+        self._stream_of_child: dict[str, RequestStream] = {}  # child req_id -> its stream, while in flight
         self.dead_reason: str | None = None  # set once the loop has stopped, for whatever reason
         self.failed = False  # the loop stopped because of an error (not a shutdown)
         self._add_seq = itertools.count(1)
         # Adds the engine has not yet counted in a snapshot: (seq, requests, tokens).
         self._unacked: collections.deque[tuple[int, int, int]] = collections.deque()
         self.num_blocks = self.client.limits.num_blocks
-        self.snapshot = EngineSnapshot(0, 0, 0, 0.0, self.num_blocks, 0, 0, 0, 0, 0)
+        self.snapshot = EngineSnapshot.idle(self.num_blocks)
         self._last_event = time.monotonic()  # when the engine last reported, for stall detection
 
     # ------------------------------------------------------------------ lifecycle
@@ -194,11 +188,12 @@ class AsyncEngine:
             self._last_event = time.monotonic()
         stream = RequestStream(
             prepared.request_id,
-            prepared.children,
+            [NewRequest.of(c) for c in prepared.children],
             len(prepared.prompt_token_ids),
             arrival_time if arrival_time is not None else time.monotonic(),
         )
         self.streams[prepared.request_id] = stream
+        self._stream_of_child.update((c.req_id, stream) for c in stream.children)
         self.outputs.add_request(
             prepared.request_id,
             prepared.prompt,
@@ -242,7 +237,7 @@ class AsyncEngine:
         stream = self.streams.pop(request_id, None)
         if stream is None:
             return
-        stream.finished = True
+        self._end(stream)
         output = self.outputs.abort(request_id)
         if self.restarting is None:  # else no engine holds it
             self.client.abort([c.req_id for c in stream.children], RequestStatus.FINISHED_ABORTED)
@@ -262,16 +257,26 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         return not self.streams
 
+    def _end(self, stream: RequestStream) -> None:
+        stream.finished = True
+        for child in stream.children:
+            self._stream_of_child.pop(child.req_id, None)
+
     # ------------------------------------------------------------------ step results (event loop side)
-    def _on_step(self, core_outputs: list[EngineCoreOutput], snapshot: EngineSnapshot) -> None:
+    def _on_step(self, step: EngineStep) -> None:
+        snapshot = step.snapshot
         self.snapshot, self._last_event = snapshot, time.monotonic()
         while self._unacked and self._unacked[0][0] <= snapshot.last_add_seq:
             self._unacked.popleft()
         if self.stats is not None:
             self.stats.on_step(snapshot)
-        if not core_outputs:
+        for req_id, timings in step.timings.items():
+            owner = self._stream_of_child.get(req_id)
+            if owner is not None:
+                owner.timings[req_id] = timings
+        if not step.outputs:
             return
-        results, to_stop = self.outputs.process(core_outputs)
+        results, to_stop = self.outputs.process(step.outputs)
         if to_stop:
             self.client.abort(to_stop, RequestStatus.FINISHED_STOPPED)
         now = time.monotonic()
@@ -288,8 +293,8 @@ class AsyncEngine:
                 stream.last_token_time = now
             stream.delivered = True
             if result.finished:
-                stream.finished = True
                 del self.streams[result.request_id]
+                self._end(stream)
                 result.metrics = stream.metrics()
                 if self.stats is not None:
                     self.stats.on_finished(stream, result)
@@ -309,7 +314,7 @@ class AsyncEngine:
 
     def _fail(self, request_id: str, reason: str) -> None:
         stream = self.streams.pop(request_id)
-        stream.finished = True
+        self._end(stream)
         self.outputs.abort(request_id)
         stream.queue.put_nowait(EngineDeadError(reason))
 
@@ -325,7 +330,7 @@ class AsyncEngine:
             else:
                 stream.requeued = True
         self._unacked.clear()
-        self.snapshot = EngineSnapshot(0, 0, 0, 0.0, self.num_blocks, 0, 0, 0, 0, 0)
+        self.snapshot = EngineSnapshot.idle(self.num_blocks)
         self._restart_task = asyncio.ensure_future(self._restart(reason, self.client))
 
     async def _restart(self, reason: str, dead: CoreClient) -> None:
@@ -353,7 +358,7 @@ class AsyncEngine:
         self._last_event = time.monotonic()
         client.start(self._on_step, self._on_dead)
         for stream in self.streams.values():
-            stream.children = fresh_copies(stream.children)  # the dead engine's copies hold its state
+            stream.timings.clear()  # the dead engine's; the new one builds its requests afresh
             self._send(stream)
         logger.warning("a new engine is running; %d requests queued again", len(self.streams))
         if self.stats is not None:

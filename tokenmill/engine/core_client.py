@@ -4,8 +4,9 @@ Both clients take commands (add, abort) from the event loop and call `on_step` /
 
 - `ProcessCoreClient` (the server's default): the core runs in a spawned process, so the step
   loop never shares a GIL with HTTP parsing, tokenization and detokenization. Commands and events
-  cross two one-way OS pipes (not sockets) as msgpack; a writer thread keeps the event loop from
-  ever blocking on a full pipe. If the process dies, `on_dead` reports it.
+  cross two one-way OS pipes (not sockets) as msgpack (messages.COMMANDS, messages.EVENTS); a
+  writer thread keeps the event loop from ever blocking on a full pipe. If the process dies,
+  `on_dead` reports it.
 - `ThreadCoreClient`: the core on a thread of this process (tests inspect and patch the core in
   place; `--engine-in-thread` for debugging). Nothing is serialized.
 """
@@ -25,30 +26,29 @@ from multiprocessing.connection import Connection
 from typing import Protocol
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.request import RequestStatus
 from tokenmill.core.scheduler import AdmissionLimits
-from tokenmill.engine import core_wire as wire
 from tokenmill.engine.core_loop import CoreLoop
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.messages import (
+    COMMANDS,
+    EVENTS,
     AbortRequests,
     AddRequests,
     Command,
     EngineDead,
     EngineReady,
-    EngineSnapshot,
     EngineStartFailed,
     EngineStep,
-    RequestTimings,
+    NewRequest,
     Stop,
 )
 from tokenmill.loader.model_source import ModelSource
 from tokenmill.log_format import configure_child_logging
-from tokenmill.outputs import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 
-OnStep = Callable[[list[EngineCoreOutput], EngineSnapshot], None]
+OnStep = Callable[[EngineStep], None]
 OnDead = Callable[[str, bool], None]  # (reason, failed: an error rather than a shutdown)
 
 # How long start-up may take (loading and converting a model, building C++ kernels the first time).
@@ -62,7 +62,7 @@ class CoreClient(Protocol):
         """Start the loop; call inside the running event loop that gets the callbacks."""
         ...
 
-    def add(self, seq: int, children: list[Request]) -> None: ...
+    def add(self, seq: int, children: list[NewRequest]) -> None: ...
 
     def abort(self, req_ids: list[str], status: RequestStatus) -> None: ...
 
@@ -84,7 +84,7 @@ class ThreadCoreClient:
         )
         self._thread.start()
 
-    def add(self, seq: int, children: list[Request]) -> None:
+    def add(self, seq: int, children: list[NewRequest]) -> None:
         self._commands.put(AddRequests(seq, children))
 
     def abort(self, req_ids: list[str], status: RequestStatus) -> None:
@@ -116,7 +116,7 @@ class _LoopSink:
     def publish(self, event: EngineStep | EngineDead) -> None:
         try:
             if isinstance(event, EngineStep):
-                self.loop.call_soon_threadsafe(self.on_step, event.outputs, event.snapshot)
+                self.loop.call_soon_threadsafe(self.on_step, event)
             else:
                 self.loop.call_soon_threadsafe(self.on_dead, event.reason, event.failed)
         except RuntimeError:  # the event loop has closed: nobody is left to tell
@@ -140,7 +140,6 @@ class ProcessCoreClient:
         commands_in.close()
         events_out.close()
         self.limits = self._wait_ready()
-        self._children: dict[str, Request] = {}  # this side's copies, to fill in their core timings
         self._outbox: queue.Queue[bytes | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write, name="tokenmill-engine-writer", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -154,7 +153,7 @@ class ProcessCoreClient:
                 waited += 1.0
                 if not self.process.is_alive() or waited > _START_TIMEOUT_S:
                     raise EOFError
-            event = wire.decode_event(self._events.recv_bytes())
+            event = EVENTS.decode(self._events.recv_bytes())
         except (EOFError, OSError):
             self.process.kill()
             self.process.join(10)
@@ -173,24 +172,20 @@ class ProcessCoreClient:
         self._writer.start()
         self._loop.add_reader(self._events.fileno(), self._read)
 
-    def add(self, seq: int, children: list[Request]) -> None:
-        for child in children:
-            self._children[child.req_id] = child
-        self._outbox.put(wire.encode_command(AddRequests(seq, children)))
+    def add(self, seq: int, children: list[NewRequest]) -> None:
+        self._outbox.put(COMMANDS.encode(AddRequests(seq, children)))
 
     def abort(self, req_ids: list[str], status: RequestStatus) -> None:
-        for req_id in req_ids:
-            self._children.pop(req_id, None)
-        self._outbox.put(wire.encode_command(AbortRequests(req_ids, status)))
+        self._outbox.put(COMMANDS.encode(AbortRequests(req_ids, status)))
 
     def shutdown(self, timeout: float) -> None:
-        self._outbox.put(wire.encode_command(Stop()))
+        self._outbox.put(COMMANDS.encode(Stop()))
         self._outbox.put(None)
         if self._writer.is_alive():
             self._writer.join(timeout)
         else:  # never started: write the stop here
             try:
-                self._commands.send_bytes(wire.encode_command(Stop()))
+                self._commands.send_bytes(COMMANDS.encode(Stop()))
             except OSError:
                 pass
         self.process.join(timeout)
@@ -209,26 +204,17 @@ class ProcessCoreClient:
         assert self._on_step is not None and self._on_dead is not None
         try:
             while self._events.poll():
-                event = wire.decode_event(self._events.recv_bytes())
+                event = EVENTS.decode(self._events.recv_bytes())
                 if isinstance(event, EngineDead):
                     self._stop_reading()
                     self._on_dead(event.reason, event.failed)
                     return
                 if isinstance(event, EngineStep):
-                    self._apply_timings(event)
-                    self._on_step(event.outputs, event.snapshot)
+                    self._on_step(event)
         except (EOFError, OSError):
             self._stop_reading()
             self.process.join(5)
             self._on_dead(f"the engine process exited unexpectedly (exit code {self.process.exitcode}).", True)
-
-    def _apply_timings(self, step: EngineStep) -> None:
-        """Copy the core timings onto this side's copies of the requests (forgetting finished ones)."""
-        for output in step.outputs:
-            child = self._children.pop(output.req_id, None) if output.finished else self._children.get(output.req_id)
-            timings = step.timings.get(output.req_id)
-            if timings is not None and child is not None:
-                timings.apply_to(child)
 
     def _stop_reading(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -259,48 +245,31 @@ def run_engine_process(config: EngineConfig, source: ModelSource, commands: Conn
         core = EngineCore(config, source)
     except Exception as exc:
         logger.exception("loading the model failed")
-        events.send_bytes(wire.encode_event(EngineStartFailed(f"{type(exc).__name__}: {exc}")))
+        events.send_bytes(EVENTS.encode(EngineStartFailed(f"{type(exc).__name__}: {exc}")))
         return
-    events.send_bytes(wire.encode_event(EngineReady(core.scheduler.limits)))
-    live: dict[str, Request] = {}
-    CoreLoop(core, _PipeCommands(commands, live), _PipeEvents(events, live)).run()
+    events.send_bytes(EVENTS.encode(EngineReady(core.scheduler.limits)))
+    CoreLoop(core, _PipeCommands(commands), _PipeEvents(events)).run()
 
 
 class _PipeCommands:
-    def __init__(self, conn: Connection, live: dict[str, Request]) -> None:
-        self.conn, self.live = conn, live
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
 
     def get(self, timeout: float) -> Command | None:
         try:
             if not self.conn.poll(timeout):
                 return None
-            command = wire.decode_command(self.conn.recv_bytes())
+            return COMMANDS.decode(self.conn.recv_bytes())
         except (EOFError, OSError):  # the server process is gone: stop
             return Stop()
-        if isinstance(command, AddRequests):
-            self.live.update((r.req_id, r) for r in command.requests)
-        elif isinstance(command, AbortRequests):
-            for req_id in command.req_ids:
-                self.live.pop(req_id, None)
-        return command
 
 
 class _PipeEvents:
-    def __init__(self, conn: Connection, live: dict[str, Request]) -> None:
-        self.conn, self.live = conn, live
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
 
     def publish(self, event: EngineStep | EngineDead) -> None:
-        if isinstance(event, EngineStep):  # the front end's copies of the requests lack the core timings
-            live = [self.live.get(o.req_id) for o in event.outputs]
-            timings = {r.req_id: RequestTimings.of(r) for r in live if r is not None}
-            event = EngineStep(event.outputs, event.snapshot, timings)
-            for output in event.outputs:
-                if output.finished:
-                    self.live.pop(output.req_id, None)
-        self._send(wire.encode_event(event))
-
-    def _send(self, data: bytes) -> None:
         try:
-            self.conn.send_bytes(data)
+            self.conn.send_bytes(EVENTS.encode(event))
         except OSError:  # the server process is gone; the next command read says stop
             pass

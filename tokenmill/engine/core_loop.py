@@ -10,7 +10,18 @@ from typing import Protocol
 
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.engine.engine_core import EngineCore, StepShape
-from tokenmill.engine.messages import AbortRequests, AddRequests, Command, EngineDead, EngineSnapshot, EngineStep, Stop
+from tokenmill.engine.messages import (
+    AbortRequests,
+    AddRequests,
+    Command,
+    EngineDead,
+    EngineSnapshot,
+    EngineStep,
+    NewRequest,
+    RequestTimings,
+    Stop,
+    build_requests,
+)
 from tokenmill.outputs import EngineCoreOutput
 
 __all__ = ["CommandSource", "CoreLoop", "EngineDeadError", "EngineSnapshot", "EventSink"]
@@ -45,6 +56,10 @@ class CoreLoop:
     def __init__(self, core: EngineCore, commands: CommandSource, events: EventSink) -> None:
         self.core, self.commands, self.events = core, commands, events
         self.last_seq = 0
+        # The live requests, and the timings last sent for each: the front end holds no Request, so
+        # a step sends a request's timings only when they have changed.
+        self.live: dict[str, Request] = {}
+        self.sent_timings: dict[str, RequestTimings] = {}
 
     def run(self) -> None:
         core = self.core
@@ -58,13 +73,12 @@ class CoreLoop:
                     return
                 if not core.has_unfinished():
                     if applied:  # aborts or rejected adds changed the state: say so without a step
-                        self.events.publish(EngineStep(rejected, self._snapshot(0)))
+                        self._publish(rejected, 0)
                     continue
                 failed_before = core.num_failed_steps
                 tokens_before = core.scheduler.stats.num_scheduled_tokens
                 outputs = rejected + core.step()
-                num_step_tokens = core.scheduler.stats.num_scheduled_tokens - tokens_before
-                self.events.publish(EngineStep(outputs, self._snapshot(num_step_tokens)))
+                self._publish(outputs, core.scheduler.stats.num_scheduled_tokens - tokens_before)
                 if core.dead_reason is not None:  # a tensor-parallel rank died: restart now, not at the next step
                     raise EngineDeadError(core.dead_reason)
                 failed_in_a_row = failed_in_a_row + 1 if core.num_failed_steps > failed_before else 0
@@ -91,18 +105,43 @@ class CoreLoop:
             elif isinstance(command, AbortRequests):
                 for req_id in command.req_ids:
                     self.core.abort_request(req_id, command.status)
+                    self._forget(req_id)
             command = self.commands.get(0.0)
         return False, applied, rejected
 
-    def _add(self, children: list[Request]) -> list[EngineCoreOutput]:
+    def _add(self, specs: list[NewRequest]) -> list[EngineCoreOutput]:
         rejected = []
-        for child in children:
+        for child in build_requests(specs):
             try:
                 self.core.add_request(child)
             except ValueError as exc:  # validated already; never let one request stop the loop
                 child.status = RequestStatus.FINISHED_ERROR
                 rejected.append(EngineCoreOutput(child.req_id, [], finish_reason="error", error=str(exc)))
+            else:
+                self.live[child.req_id] = child
         return rejected
+
+    def _publish(self, outputs: list[EngineCoreOutput], num_step_tokens: int) -> None:
+        self.events.publish(EngineStep(outputs, self._snapshot(num_step_tokens), self._changed_timings(outputs)))
+
+    def _changed_timings(self, outputs: list[EngineCoreOutput]) -> dict[str, RequestTimings]:
+        """The timings of the outputs' requests that differ from those last sent (a request's first
+        token, its finish, a preemption, drafts verified); a finished request is forgotten."""
+        changed: dict[str, RequestTimings] = {}
+        for output in outputs:
+            request = self.live.get(output.req_id)
+            if request is None:
+                continue
+            timings = RequestTimings.of(request)
+            if timings != self.sent_timings.get(output.req_id):
+                changed[output.req_id] = self.sent_timings[output.req_id] = timings
+            if output.finished:
+                self._forget(output.req_id)
+        return changed
+
+    def _forget(self, req_id: str) -> None:
+        self.live.pop(req_id, None)
+        self.sent_timings.pop(req_id, None)
 
     def _snapshot(self, num_step_tokens: int) -> EngineSnapshot:
         sched, kv = self.core.scheduler, self.core.kv_cache

@@ -19,6 +19,7 @@ from tokenmill.executor import Executor, ExecutorDeadError, make_executor
 from tokenmill.loader.hf import load_tokenizer
 from tokenmill.loader.model_source import ModelSource
 from tokenmill.outputs import EngineCoreOutput
+from tokenmill.sampling_params import params_for_wire
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.llguidance_backend import LLGuidanceBackend
 
@@ -168,6 +169,8 @@ class EngineCore:
         keep_freed_memory()
 
     def add_request(self, request: Request) -> None:
+        # The executor's followers get the params on the wire (a dict schema as its text).
+        request.sampling_params = params_for_wire(request.sampling_params)
         spec = request.sampling_params.structured_outputs
         if spec is not None:  # compiled (and cached) here, so a bad spec fails its request alone
             self.grammars.compile(spec)

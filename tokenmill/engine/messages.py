@@ -1,40 +1,91 @@
 """The messages between the front end (the server's event loop) and the engine core loop, one
-frozen dataclass each. On a thread they are passed as they are; across processes core_wire.py
-turns them into msgpack.
+msgspec Struct each (tokenmill.wire.Message). On a thread they are passed as they are; across
+processes `COMMANDS` and `EVENTS` (tokenmill.wire.Codec) turn them into msgpack, field by name.
 
 Front end -> engine (`Command`): AddRequests, AbortRequests, Stop.
 Engine -> front end (`Event`): EngineReady (the model is loaded) or EngineStartFailed, then an
-EngineStep after every step, and EngineDead once when the loop ends."""
+EngineStep after every step, and EngineDead once when the loop ends.
+
+The front end holds no core `Request`: it sends a `NewRequest` (what the engine needs to build its
+own), and the engine sends a request's `RequestTimings` back only when they change."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import AdmissionLimits
 from tokenmill.outputs import EngineCoreOutput
+from tokenmill.sampling_params import SamplingParams, params_for_wire
+from tokenmill.wire import Codec, Message
 
 
 # ---------------------------------------------------------------------- commands
-@dataclass(frozen=True)
-class AddRequests:
+class NewRequest(Message):
+    """One request (one sample of a user request) as the engine needs it to build its own `Request`."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    priority: int
+    arrival_time: float  # time.monotonic() when the request was prepared
+    prefill_leader_id: str | None  # the sibling that computes the shared prompt first (n > 1)
+    cache_salt: str | None
+
+    @classmethod
+    def of(cls, request: Request) -> NewRequest:
+        leader = request.prefill_leader
+        return cls(
+            request.req_id,
+            request.prompt_token_ids,
+            params_for_wire(request.sampling_params),
+            request.eos_token_ids,
+            request.priority,
+            request.arrival_time,
+            None if leader is None else leader.req_id,
+            request.cache_salt,
+        )
+
+    @property
+    def max_tokens(self) -> int:
+        # The input processor resolves None before a request is sent.
+        return self.sampling_params.max_tokens or 0
+
+
+def build_requests(specs: list[NewRequest]) -> list[Request]:
+    """Fresh, never-scheduled Requests for one user request's samples; leaders point into the list."""
+    built: dict[str, Request] = {}
+    for spec in specs:
+        built[spec.req_id] = Request(
+            spec.req_id,
+            spec.prompt_token_ids,
+            spec.sampling_params,
+            spec.eos_token_ids,
+            spec.priority,
+            spec.arrival_time,
+            prefill_leader=None if spec.prefill_leader_id is None else built.get(spec.prefill_leader_id),
+            cache_salt=spec.cache_salt,
+        )
+    return list(built.values())
+
+
+class AddRequests(Message):
     """Queue requests (the children of one user request). `seq` numbers the adds, so the front end
     can tell from a snapshot's `last_add_seq` which of its adds the engine has counted."""
 
     seq: int
-    requests: list[Request]
+    requests: list[NewRequest]
 
 
-@dataclass(frozen=True)
-class AbortRequests:
+class AbortRequests(Message):
     """End requests before the next step, with `status` (aborted, or stopped by a stop string)."""
 
     req_ids: list[str]
     status: RequestStatus
 
 
-@dataclass(frozen=True)
-class Stop:
+class Stop(Message):
     """Shut the loop down after its current step."""
 
 
@@ -70,9 +121,10 @@ class EngineSnapshot:
     step_prefill_tokens: int = 0
     step_bytes_read: int = 0
 
-    def __post_init__(self) -> None:
-        # The pipe (msgpack) hands back a list; keep the frozen snapshot's tuple.
-        object.__setattr__(self, "spec_accepted_per_pos", tuple(self.spec_accepted_per_pos))
+    @classmethod
+    def idle(cls, num_free_blocks: int) -> EngineSnapshot:
+        """An engine with nothing to do and every KV block free."""
+        return cls(0, 0, 0, 0.0, num_free_blocks, 0, 0, 0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -99,43 +151,30 @@ class RequestTimings:
             request.num_accepted_tokens,
         )
 
-    def apply_to(self, request: Request) -> None:
-        request.first_scheduled_time = self.first_scheduled_time
-        request.first_token_time = self.first_token_time
-        request.finished_time = self.finished_time
-        request.num_preemptions = self.num_preemptions
-        request.num_cached_tokens = self.num_cached_tokens
-        request.num_draft_tokens = self.num_draft_tokens
-        request.num_accepted_tokens = self.num_accepted_tokens
 
-
-@dataclass(frozen=True)
-class EngineReady:
+class EngineReady(Message):
     """The model is loaded; what every request must fit."""
 
     limits: AdmissionLimits
 
 
-@dataclass(frozen=True)
-class EngineStartFailed:
+class EngineStartFailed(Message):
     """Loading the model failed; the engine process has exited."""
 
     reason: str
 
 
-@dataclass(frozen=True)
-class EngineStep:
+class EngineStep(Message):
     """What one step (or a batch of commands that needed none) changed, and the state after it.
-    `timings`: the core timings of the outputs' requests by req_id, filled in only where the front
-    end holds copies of the requests (an engine process); on a thread the requests are shared."""
+    `timings`: by req_id, the core timings of the outputs' requests whose timings changed since the
+    engine last sent them (first scheduled, first token, finished, preempted, drafts verified)."""
 
     outputs: list[EngineCoreOutput]
     snapshot: EngineSnapshot
-    timings: dict[str, RequestTimings] = field(default_factory=dict)
+    timings: dict[str, RequestTimings] = {}
 
 
-@dataclass(frozen=True)
-class EngineDead:
+class EngineDead(Message):
     """The loop has ended: `failed` after an error, else a shutdown."""
 
     reason: str
@@ -143,3 +182,6 @@ class EngineDead:
 
 
 Event = EngineReady | EngineStartFailed | EngineStep | EngineDead
+
+COMMANDS: Codec[Command] = Codec(Command, "command on the engine pipe")
+EVENTS: Codec[Event] = Codec(Event, "event on the engine pipe")

@@ -12,18 +12,19 @@ import sys
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-import msgpack
-
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.parallel_state import destroy_tensor_parallel
 from tokenmill.executor.messages import (
+    RANK_REPLIES,
+    WORKER_COMMANDS,
     AllocateKVCache,
     CaptureCudaGraphs,
     ExecuteStep,
     ProfileRun,
+    RankFailed,
+    RankReady,
     Shutdown,
     WorkerCommand,
-    decode_command,
 )
 from tokenmill.executor.rank_setup import seed_rank, setup_rank
 from tokenmill.loader.hf import load_tokenizer
@@ -53,9 +54,9 @@ def follower_main(
         seed_rank(config)
     except Exception as exc:
         logger.exception("loading rank %d failed", rank)
-        conn.send_bytes(msgpack.packb(["failed", f"{type(exc).__name__}: {exc}"]))
+        conn.send_bytes(RANK_REPLIES.encode(RankFailed(f"{type(exc).__name__}: {exc}")))
         sys.exit(1)
-    conn.send_bytes(msgpack.packb(["ready"]))
+    conn.send_bytes(RANK_REPLIES.encode(RankReady()))
     try:
         _serve(runner, conn)
     finally:
@@ -65,7 +66,7 @@ def follower_main(
 def _serve(runner: ModelRunner, conn: Connection) -> None:
     while True:
         try:
-            command = decode_command(conn.recv_bytes())
+            command = WORKER_COMMANDS.decode(conn.recv_bytes())
         except (EOFError, OSError):  # rank 0 is gone
             return
         if not run_command(runner, command):

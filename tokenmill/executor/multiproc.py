@@ -17,14 +17,13 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-import msgpack
 import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.parallel_state import check_no_group, destroy_tensor_parallel
 from tokenmill.executor.base import ExecutorDeadError
 from tokenmill.executor.follower import follower_main
-from tokenmill.executor.messages import Shutdown, encode_command
+from tokenmill.executor.messages import RANK_REPLIES, WORKER_COMMANDS, RankFailed, Shutdown
 from tokenmill.executor.rank_setup import cores_for_rank, free_port, seed_rank, setup_rank
 from tokenmill.executor.spmd import SpmdExecutor
 from tokenmill.structured.compiler import GrammarCompiler
@@ -91,7 +90,7 @@ class MultiprocExecutor(SpmdExecutor):
         for conn, process in zip(self.conns, self.processes):
             if process.is_alive():
                 try:
-                    conn.send_bytes(encode_command(Shutdown()))
+                    conn.send_bytes(WORKER_COMMANDS.encode(Shutdown()))
                 except OSError:
                     pass
         for process in self.processes:
@@ -130,13 +129,13 @@ class MultiprocExecutor(SpmdExecutor):
             if not conn.poll(READY_TIMEOUT_S):
                 raise ExecutorDeadError(f"tensor-parallel rank {rank} did not load within {READY_TIMEOUT_S:.0f} s")
             try:
-                reply = msgpack.unpackb(conn.recv_bytes())
+                reply = RANK_REPLIES.decode(conn.recv_bytes())
             except (EOFError, OSError) as exc:
                 raise ExecutorDeadError(
                     f"tensor-parallel rank {rank} died while loading (exit code {process.exitcode})"
                 ) from exc
-            if reply[0] != "ready":
-                raise ExecutorDeadError(f"tensor-parallel rank {rank} failed to load: {reply[1]}")
+            if isinstance(reply, RankFailed):
+                raise ExecutorDeadError(f"tensor-parallel rank {rank} failed to load: {reply.reason}")
 
 
 @contextmanager

@@ -21,7 +21,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.distributed.parallel_state import check_no_group, destroy_tensor_parallel
 from tokenmill.executor.base import ExecutorDeadError
 from tokenmill.executor.follower import follower_grammars, run_command
-from tokenmill.executor.messages import Shutdown, decode_command, encode_command
+from tokenmill.executor.messages import WORKER_COMMANDS, Shutdown
 from tokenmill.executor.rank_setup import cores_for_rank, free_port, pin_to_cores, seed_rank, setup_rank
 from tokenmill.executor.spmd import SpmdExecutor
 from tokenmill.structured.compiler import GrammarCompiler
@@ -62,7 +62,7 @@ class RankActor:
         return True
 
     def run(self, data: bytes) -> None:
-        run_command(self.runner, decode_command(data))
+        run_command(self.runner, WORKER_COMMANDS.decode(data))
 
 
 class RayExecutor(SpmdExecutor):
@@ -118,7 +118,7 @@ class RayExecutor(SpmdExecutor):
         ray = self._ray
         for actor in self.actors:
             try:
-                actor.run.remote(encode_command(Shutdown()))
+                actor.run.remote(WORKER_COMMANDS.encode(Shutdown()))
                 ray.kill(actor)
             except Exception:  # already gone
                 pass

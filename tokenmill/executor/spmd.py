@@ -15,12 +15,12 @@ import torch
 
 from tokenmill.executor.base import ExecutorDeadError
 from tokenmill.executor.messages import (
+    WORKER_COMMANDS,
     AllocateKVCache,
     CaptureCudaGraphs,
     ExecuteStep,
     ProfileRun,
     WorkerCommand,
-    encode_command,
 )
 from tokenmill.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.model_runner import ModelRunner
@@ -63,7 +63,7 @@ class SpmdExecutor:
         if self.closed:
             raise ExecutorDeadError("the tensor-parallel executor was shut down")
         self._raise_if_dead()
-        self._broadcast(encode_command(command))
+        self._broadcast(WORKER_COMMANDS.encode(command))
 
     def _guarded(self, call: Callable[[], T]) -> T:
         """Rank 0's part of a command. If it raises, name a dead follower when there is one (its death
