@@ -15,9 +15,11 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.engine.engine_args import create_engine_config
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.input_processor import InputProcessor, PreparedRequest, Prompt
+from tokenmill.engine.messages import RequestTimings
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.request_metrics import merge_request_metrics
 from tokenmill.loader.hf import load_tokenizer
-from tokenmill.outputs import RequestMetrics, RequestOutput
+from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.llguidance_backend import llguidance_grammars
 
@@ -151,7 +153,9 @@ class LLM:
                     self.engine.abort_request(child_id, RequestStatus.FINISHED_STOPPED)
                 for result in results:
                     if result.finished:
-                        result.metrics = _metrics(children[result.request_id])
+                        kids = children[result.request_id]
+                        timings = [RequestTimings.of(c) for c in kids]
+                        result.metrics = merge_request_metrics(kids[0].arrival_time, timings)
                         remaining -= 1
                     yield result
         finally:  # a caller that stops iterating early must not leave requests holding blocks
@@ -159,21 +163,6 @@ class LLM:
                 for child in kids:
                     if not child.is_finished:
                         self.engine.abort_request(child.req_id)
-
-
-def _metrics(children: list[Request]) -> RequestMetrics:
-    first = children[0]
-    first_tokens = [c.first_token_time for c in children if c.first_token_time is not None]
-    return RequestMetrics(
-        arrival_time=first.arrival_time,
-        first_scheduled_time=first.first_scheduled_time,
-        first_token_time=min(first_tokens) if first_tokens else None,
-        finished_time=max((c.finished_time or 0.0) for c in children) or None,
-        num_preemptions=sum(c.num_preemptions for c in children),
-        num_cached_tokens=first.num_cached_tokens,
-        num_draft_tokens=sum(c.num_draft_tokens for c in children),
-        num_accepted_tokens=sum(c.num_accepted_tokens for c in children),
-    )
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
