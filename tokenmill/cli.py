@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from tokenmill.engine.engine_args import add_engine_args, engine_kwargs
+from tokenmill.settings import parse_args
 
 if TYPE_CHECKING:
     from tokenmill.sampling_params import SamplingParams
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
 
     add_info_parser(sub)
 
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     try:
         args.func(args)
     except (ValueError, RuntimeError) as exc:

@@ -1,11 +1,15 @@
 """Frozen, composed configuration. `EngineArgs` is what users pass; `engine.engine_args.create_engine_config`
 turns it into an `EngineConfig` once the model's own config and the machine are known. A leaf: this module
-imports nothing of the package, so every layer may import it."""
+imports only tokenmill.settings (a leaf too), so every layer may import it."""
 
 from __future__ import annotations
 
+import argparse
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from tokenmill.settings import setting
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -204,41 +208,108 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def parse_speculative_config(value: str | dict[str, Any]) -> dict[str, Any]:
+    """The parser of --speculative-config: a JSON object (or, from a config file, a mapping) with
+    SpeculativeConfig's keys, checked here so that a bad value is a usage error before any model loads.
+    Stays a dict (JSON-serialisable in reports)."""
+    spec = value
+    if isinstance(value, str):
+        try:
+            spec = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(
+                f"not valid JSON ({exc.msg} at column {exc.colno}); "
+                """write e.g. '{"method": "ngram", "num_speculative_tokens": 4}'"""
+            ) from exc
+    if not isinstance(spec, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(spec).__name__}")
+    try:
+        SpeculativeConfig.from_dict(spec)
+    except (ValueError, TypeError) as exc:  # TypeError: a value of the wrong type reaching a comparison
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return spec
+
+
 @dataclass
 class EngineArgs:
-    """Everything a user may set; `tokenmill.engine.engine_args.create_engine_config` resolves it against the
-    model and the machine."""
+    """Everything a user may set, each field also a flag of every command that builds an engine (names as
+    in vLLM); `tokenmill.engine.engine_args.create_engine_config` resolves it against the model and the
+    machine."""
 
-    model: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    # "auto": 16-bit on a CPU running bf16-rounded or int8 weights in float32 (decode attention reads
-    # the whole cache every step: half the bytes), else the model's dtype
-    kv_cache_dtype: str = "auto"
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 2.0
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    load_format: str = "auto"
-    seed: int = 0
-    device: str = "cpu"
-    attention_backend: str = "auto"
-    scheduling_policy: str = "fcfs"
-    quantization: str | None = None  # "int8", "int4": quantized at load; "gguf": a .gguf file's own blocks
-    quantization_group_size: int | None = None  # int4: in-features per scale, 32 or 128 (None: 32)
-    quantization_zero_point: bool = False  # int4: a float minimum per group as well as a scale
-    enforce_eager: bool = False  # every step layer by layer from Python: no CUDA graphs, no fused CPU decode
-    # Where requests' sampling defaults come from (as vLLM's --generation-config): "auto" the model folder's
-    # generation_config.json, "vllm" none (OpenAI's defaults), or a folder holding a generation_config.json.
-    generation_config: str = "auto"
-    # Speculative decoding in vLLM's dict shape (SpeculativeConfig's keys), or a SpeculativeConfig; None: off.
-    speculative_config: dict[str, Any] | SpeculativeConfig | None = None
-    # Tensor parallelism: ranks that split every layer, and what starts them ("mp" processes or "ray" actors).
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "mp"
+    model: str | None = setting(
+        None, group="model", metavar="MODEL", help="HF folder, .gguf file or preset (default: embedded SmolLM2)"
+    )
+    dtype: str = setting("auto", group="model", help="auto | bfloat16 | float32 | float16")
+    max_model_len: int | None = setting(None, group="model", help="longest prompt + output (default: the model's)")
+    max_num_seqs: int = setting(64, group="scheduler", help="most requests in one step")
+    max_num_batched_tokens: int = setting(2048, group="scheduler", help="most tokens in one step")
+    block_size: int = setting(16, group="cache", help="tokens per KV-cache block")
+    kv_cache_dtype: str = setting(
+        "auto",
+        group="cache",
+        choices=KV_CACHE_DTYPES,
+        help="what the KV cache stores; auto: bf16 on a CPU running bf16 or int8 weights, "
+        "else the model's dtype; int8 (CPU with AVX-512 BF16): per-token scales, half of bf16",
+    )
+    num_kv_blocks: int | None = setting(None, group="cache", help="KV blocks (default: from the memory budget)")
+    kv_cache_memory_gb: float = setting(2.0, group="cache", help="CPU: GiB for the KV cache")
+    gpu_memory_utilization: float = setting(
+        0.9, group="cache", help="CUDA: share of the GPU's memory for weights, activations and KV cache"
+    )
+    enable_prefix_caching: bool = setting(
+        True, group="cache", aliases=("--prefix-caching",), help="reuse the KV blocks of prompts seen before"
+    )
+    load_format: str = setting("auto", group="model", choices=LOAD_FORMATS, help="how to read the weights")
+    seed: int = setting(0, group="model", help="seed of random weights and of unseeded sampling")
+    device: str = setting("cpu", group="model", help="cpu | cuda")
+    attention_backend: str = setting("auto", group="model", help="auto | torch_ref | cpu | triton")
+    scheduling_policy: str = setting("fcfs", group="scheduler", choices=SCHEDULING_POLICIES, help="request order")
+    quantization: str | None = setting(
+        None,
+        group="quantization",
+        help="int8: per-channel int8 weights; int4: 4-bit weights in groups (see --quantization-group-size); "
+        "quantized at load; gguf: a .gguf model's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K layers as the file stores them "
+        "(default: none)",
+    )
+    quantization_group_size: int | None = setting(
+        None, group="quantization", help="int4: in-features per scale, 32 or 128 (default 32)"
+    )
+    quantization_zero_point: bool = setting(
+        False,
+        group="quantization",
+        help="int4: a float minimum per group as well as a scale (asymmetric; default symmetric)",
+    )
+    enforce_eager: bool = setting(
+        False, group="model", help="run every layer from Python: no CUDA graphs, no fused CPU decode stack"
+    )
+    generation_config: str = setting(
+        "auto",
+        group="model",
+        metavar="auto|vllm|FOLDER",
+        help="sampling defaults for requests that leave them out: auto: the model's generation_config.json; "
+        "vllm: ignore it (OpenAI's defaults); FOLDER: the generation_config.json in FOLDER",
+    )
+    speculative_config: dict[str, Any] | SpeculativeConfig | None = setting(
+        None,
+        group="speculative",
+        metavar="JSON",
+        parse=parse_speculative_config,
+        help='speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        "(keys: method ngram|draft_model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, "
+        "model, disable_by_batch_size); default: off",
+    )
+    tensor_parallel_size: int = setting(
+        1,
+        group="parallel",
+        aliases=("-tp",),
+        help="split every layer over N ranks, one process each (gloo on CPU: each rank gets its own cores)",
+    )
+    distributed_executor_backend: str = setting(
+        "mp",
+        group="parallel",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+        help="what starts the tensor-parallel ranks: mp (local processes) or ray (a placement group)",
+    )
 
 
 def resolve_kv_cache_dtype(

@@ -19,8 +19,7 @@ pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install
 
 from tokenmill.fleet.config import FleetConfig  # noqa: E402
 from tokenmill.fleet.launcher import FleetRun  # noqa: E402
-from tokenmill.server.config import ServerConfig  # noqa: E402
-from tokenmill.server.models.config import PoolConfig  # noqa: E402
+from tokenmill.server.config import PoolConfig, ServerConfig  # noqa: E402
 
 KEY = "sk-fleet-test"
 SHARED = "The capital of France is Paris. The quick brown fox jumps over the lazy dog. " * 3  # ~3 blocks

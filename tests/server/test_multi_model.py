@@ -19,9 +19,8 @@ from tests.server.conftest import MODEL_NAME, RunningServer, engine_args, reseed
 from tests.tiny_models import make_tiny_model
 from tokenmill.registry import Registry
 from tokenmill.registry.describe import describe
-from tokenmill.server.config import ServerConfig
+from tokenmill.server.config import PoolConfig, ServerConfig
 from tokenmill.server.models.access import AccessPolicy
-from tokenmill.server.models.config import PoolConfig
 from tokenmill.server.models.estimate import GIB, kv_cache_bytes, weight_bytes
 
 ADMIN = {"Authorization": "Bearer admin-secret"}

@@ -89,7 +89,8 @@ def build_app(args: dict[str, str]) -> Application:
         raise ValueError(f'build_app takes one argument, args="<tokenmill serve flags>" (got {sorted(unknown)})')
     from tokenmill.fleet.flags import fleet_config, serve_parser
     from tokenmill.server.cli import engine_and_server_config
+    from tokenmill.settings import parse_args
 
-    parsed = serve_parser().parse_args(shlex.split(args.get("args", "")))
+    parsed = parse_args(serve_parser(), shlex.split(args.get("args", "")))
     engine_args, config = engine_and_server_config(parsed)
     return fleet_application(engine_args, config, fleet_config(parsed))

@@ -7,14 +7,15 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.metrics.prometheus import ServerMetrics
 from tokenmill.server.errors import APIError
-from tokenmill.server.models.config import PoolConfig
 from tokenmill.server.security import ApiKeys, LoginThrottle, RateLimiter
 from tokenmill.server.tool_parsers import TOOL_PARSERS, ToolParser
+from tokenmill.settings import setting
 
 if TYPE_CHECKING:
     from tokenmill.server.models.pool import ModelPool
@@ -22,71 +23,318 @@ if TYPE_CHECKING:
 API_KEY_ENV = "TOKENMILL_API_KEY"  # one key, or several separated by commas
 PREFIX_CACHE_ISOLATION = ("shared", "per-key")
 LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+ACCESS_FILE = "access.json"  # in the registry's folder: API key -> the models it may use
+
+
+def parse_extra_model(value: str) -> tuple[str, str]:
+    """`NAME=PATH` from the command line."""
+    name, sep, path = value.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise ValueError(f"--extra-model takes NAME=PATH, got {value!r}")
+    return name.strip(), path.strip()
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Serving several models beside the default one (`tokenmill serve --registry DIR`, `--extra-model`)."""
+
+    registry: str | None = setting(
+        None,
+        group="models",
+        metavar="DIR",
+        help="also serve every version and alias of this model registry (tokenmill models add), loaded on "
+        "first use: name@version, an alias, or a bare name (its alias, else its highest version)",
+    )
+    extra_models: tuple[tuple[str, str], ...] = setting(
+        (),
+        group="models",
+        aliases=("--extra-model",),
+        metavar="NAME=PATH",
+        parse=parse_extra_model,
+        help="also serve the model at PATH as NAME, loaded on first use (repeat for several)",
+    )
+    keep_alive_s: float | None = setting(
+        None, group="models", aliases=("--keep-alive",), metavar="SECONDS", help="unload a model idle this long"
+    )
+    max_loaded_models: int | None = setting(
+        None,
+        group="models",
+        metavar="N",
+        help="at most N resident models, the default one included; the least recently used idle one makes room",
+    )
+    memory_budget_gb: float | None = setting(
+        None,
+        group="models",
+        metavar="GB",
+        help="resident models' estimated weights + KV cache stay within this; a load that cannot fit gets 503",
+    )
+    admin_key: str | None = setting(
+        None, group="models", metavar="KEY", help="the key of /admin/... (load, unload, move aliases)"
+    )
+    access_file: str | None = setting(
+        None,
+        group="models",
+        aliases=("--access-config",),
+        metavar="FILE",
+        help="API key -> models it may use (default: the registry's access.json, if present)",
+    )
+
+    def __post_init__(self) -> None:
+        if self.keep_alive_s is not None and not self.keep_alive_s > 0:
+            raise ValueError("--keep-alive must be a positive number of seconds")
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            raise ValueError("--max-loaded-models must be at least 1 (the default model counts as one)")
+        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
+            raise ValueError("--memory-budget-gb must be a positive number")
+        if self.admin_key is not None and not self.admin_key.strip():
+            raise ValueError("--admin-key must not be empty")
+        names = [name for name, _ in self.extra_models]
+        if len(set(names)) != len(names):
+            raise ValueError("--extra-model names must differ from each other")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the server routes requests by their `model` field to several engines."""
+        return self.registry is not None or bool(self.extra_models)
+
+    def access_path(self) -> Path | None:
+        """The access config in force: --access-config, else the registry's access.json if it exists."""
+        if self.access_file is not None:
+            return Path(self.access_file).expanduser()
+        if self.registry is not None:
+            path = Path(self.registry).expanduser() / ACCESS_FILE
+            return path if path.is_file() else None
+        return None
+
+
+def _threshold(value: str | float) -> float | None:
+    """--memory-pressure-threshold: 0 or less turns the check off."""
+    number = float(value)
+    return number if number > 0 else None
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    ssl_certfile: str | None = None  # with ssl_keyfile: serve https
-    ssl_keyfile: str | None = None
-    ssl_ca_certs: str | None = None  # CA bundle to check client certificates against
-    ssl_cert_reqs: int = 0  # ssl.CERT_NONE (0), CERT_OPTIONAL (1) or CERT_REQUIRED (2): client certificates
-    allowed_hosts: tuple[str, ...] = ()  # Host names to answer; (): loopback names on loopback, else any
-    allowed_origins: tuple[str, ...] = ()  # CORS origins; (): no CORS headers
-    served_model_name: str | None = None  # default: the model folder's name
-    api_keys: tuple[str, ...] = ()  # with API_KEY_ENV's keys added by `keys()`
-    requests_per_min: int | None = None  # per key; None: no limit
-    tokens_per_min: int | None = None  # per key: prompt + max_tokens, unused output refunded
-    max_waiting_requests: int = 256  # beyond this the server answers 429 at once
-    max_waiting_tokens: int = 1 << 20
-    max_n: int = 16
-    max_logit_bias: int = 300  # logit_bias entries per request (OpenAI's cap too)
+    """The server's own settings (the engine's are `EngineArgs`), each field also a `tokenmill serve` flag."""
+
+    host: str = setting("127.0.0.1", group="network", help="address to bind (default 127.0.0.1: this machine only)")
+    port: int = setting(8000, group="network", help="port to listen on")
+    ssl_certfile: str | None = setting(
+        None, group="network", metavar="FILE", help="serve https with this certificate (PEM)"
+    )
+    ssl_keyfile: str | None = setting(None, group="network", metavar="FILE", help="the certificate's private key (PEM)")
+    ssl_ca_certs: str | None = setting(None, group="network", metavar="FILE", help="CA bundle for client certificates")
+    ssl_cert_reqs: int = setting(
+        0,
+        group="network",
+        choices=(0, 1, 2),
+        help="client certificates: 0 not asked (default), 1 optional, 2 required (with --ssl-ca-certs)",
+    )
+    allowed_hosts: tuple[str, ...] = setting(
+        (),
+        group="network",
+        metavar="HOSTS",
+        help="Host names to answer (repeat, or comma-separate; '*.example.com', '*' for any); "
+        "default: on loopback only localhost, 127.0.0.1 and [::1] (against DNS rebinding), else any",
+    )
+    allowed_origins: tuple[str, ...] = setting(
+        (),
+        group="network",
+        metavar="ORIGINS",
+        help="browser origins allowed by CORS, e.g. https://app.example.com (repeat, or comma-separate); "
+        "default: no CORS",
+    )
+    limit_concurrency: int | None = setting(
+        None,
+        group="network",
+        metavar="N",
+        help="beyond N open connections/tasks, answer 503 at once (uvicorn's limit_concurrency; default: none)",
+    )
+    served_model_name: str | None = setting(
+        None, group="model", help="the model id clients send (default: folder name)"
+    )
+    api_keys: tuple[str, ...] = setting(
+        (),
+        group="auth",
+        aliases=("--api-key",),
+        help=f"require this key (repeat for several; also ${API_KEY_ENV}, comma-separated)",
+    )
+    priority_keys: tuple[str, ...] = setting(
+        (),
+        group="auth",
+        metavar="KEYS",
+        help="API keys whose requests' `priority` is honoured (repeat, or comma-separate); "
+        "other requests count as priority 0",
+    )
+    metrics_public: bool = setting(
+        False,
+        group="auth",
+        help="serve /metrics without a key even when API keys are set (by default it then needs one)",
+    )
+    max_failed_logins: int = setting(
+        10,
+        group="auth",
+        help="failed logins (401s) per minute from one address before it is answered 429 for the rest of the minute",
+    )
+    prefix_cache_isolation: str = setting(
+        "shared",
+        group="auth",
+        choices=PREFIX_CACHE_ISOLATION,
+        help="shared: one prefix cache for every API key (a request's cache_salt still keeps it apart); "
+        "per-key: salt every request with its API key, so that no key can hit, or time, another key's cached "
+        "prompts (default: shared)",
+    )
+    requests_per_min: int | None = setting(None, group="limits", help="per-key request limit")
+    tokens_per_min: int | None = setting(
+        None, group="limits", help="per-key token limit (prompt + max_tokens, unused output refunded)"
+    )
+    max_waiting_requests: int = setting(
+        256, group="limits", help="beyond this many waiting requests, answer 429 at once"
+    )
+    max_waiting_tokens: int = setting(1 << 20, group="limits", help="beyond this many waiting prompt tokens, 429")
+    max_n: int = setting(16, group="limits", help="largest n (choices per request)")
+    max_logit_bias: int = setting(
+        300,
+        group="limits",
+        metavar="N",
+        help="most logit_bias entries one request may give; more get 400 (default 300, as OpenAI)",
+    )
     # Echo with logprobs: (logprobs + 1) entries per prompt token, summed over the prompts (n shares them).
     # 2^20 lets a full 128k-token context through at OpenAI's top 5 (786,432) and a 48k one at our top 20,
     # while one request cannot make the server build and send an unbounded pile of them.
-    max_prompt_logprobs_entries: int = 1 << 20
-    max_tokens: int | None = None  # cap on max_tokens; None: max_model_len
-    max_prompt_tokens: int | None = None  # None: max_model_len - 1
-    max_prompts_per_request: int = 64  # completions with a list of prompts
-    max_body_bytes: int = 4 << 20
-    shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
-    engine_stall_timeout_s: float = 300.0  # in-flight requests and no engine report this long fail /health
-    request_timeout_s: float | None = None  # a request still running this long after arrival ends with a 504
-    max_queue_time_s: float | None = None  # a request with no output yet this long after arrival ends with a 504
-    engine_in_thread: bool = False  # run the engine core on a thread of the server process, not its own
-    max_engine_restarts: int = 5  # engine deaths restarted per 10 minutes; beyond (or 0) the engine stays dead
+    max_prompt_logprobs_entries: int = setting(
+        1 << 20,
+        group="limits",
+        metavar="N",
+        help="most prompt logprobs one request may ask for with echo: (logprobs + 1) x prompt tokens, summed over "
+        "its prompts (n does not multiply it); more get 400 (default 1048576)",
+    )
+    max_tokens: int | None = setting(
+        None, group="limits", aliases=("--max-tokens-limit",), help="largest max_tokens accepted (default: the context)"
+    )
+    max_prompt_tokens: int | None = setting(
+        None, group="limits", help="longest prompt accepted (default: the context - 1)"
+    )
+    max_prompts_per_request: int = setting(64, group="limits", help="most prompts in one completions request")
+    max_body_bytes: int = setting(4 << 20, group="limits", help="largest request body")
     # New requests get 503 while both the KV cache's usage and the queued prompt tokens (as a share of the
     # cache's capacity) are at least this; None: they always queue (up to --max-waiting-*)
-    memory_pressure_threshold: float | None = 0.95
-    metrics_public: bool = False  # once API keys are set, /metrics needs one too unless this
-    priority_keys: tuple[str, ...] = ()  # only these API keys' `priority` counts; others' count as 0
-    # "shared": one prefix cache for all (a request's cache_salt still separates it); "per-key": every
-    # request is salted with its API key, so no key's prompts hit (or reveal) another key's cache
-    prefix_cache_isolation: str = "shared"
-    max_failed_logins: int = 10  # 401s from one address per minute before it is answered 429
-    audit_log: str | None = None  # a JSON line per finished completion/chat request is appended here
-    audit_log_content: bool = False  # the audit lines carry prompts and outputs too
-    limit_concurrency: int | None = None  # uvicorn answers 503 beyond this many open connections/tasks
-    body_read_timeout_s: float | None = 30.0  # a request's body must arrive within this, else 408; None: no limit
-    # A request's headers must arrive within this of the connection opening (or of the request's first byte
-    # on a kept-alive one), else 408 and close. 20 s, Apache mod_reqtimeout's first deadline: headers are a few
-    # hundred bytes sent in one round trip, so even a slow link needs a fraction of it, and a slow-loris
-    # client must reconnect every 20 s instead of holding a socket forever.
-    header_read_timeout_s: float = 20.0
-    # How tool calls are found in free text (tool_choice "auto"): the format the model's chat template
-    # teaches it (tool_parsers.TOOL_PARSERS); None: "auto" is refused (400)
-    tool_call_parser: str | None = None
-    # Operations (the dashboard, alerts and Grafana draw these as lines): latency SLOs, the throughput
-    # (total tokens/s) the alerts compare with (None: the dashboard's best recent minute), $ per hour
-    slo_ttft_ms: float | None = None
-    slo_itl_ms: float | None = None
-    throughput_baseline: float | None = None
-    cost_per_hour: float | None = None
-    dashboard: bool = True  # serve /dashboard and /dashboard/data
-    log_format: str = "text"  # "json": one JSON object per log line
-    otlp_traces_endpoint: str | None = None  # export per-request spans there (OTLP over HTTP)
-    # Several models beside the default one (--registry, --extra-model), loaded on demand
+    memory_pressure_threshold: float | None = setting(
+        0.95,
+        group="limits",
+        parse=_threshold,
+        help="answer new requests 503 (Retry-After) while the KV cache is at least this full AND the waiting "
+        "queue holds at least this share of the cache's capacity in prompt tokens; 0 or less: never",
+    )
+    shutdown_timeout_s: float = setting(
+        30.0,
+        group="timeouts",
+        aliases=("--shutdown-timeout",),
+        help="on SIGTERM, seconds in-flight requests get to finish before they are aborted",
+    )
+    engine_stall_timeout_s: float = setting(
+        300.0,
+        group="timeouts",
+        aliases=("--engine-stall-timeout",),
+        help="requests in flight and no step finished for this long makes /health fail",
+    )
+    request_timeout_s: float | None = setting(
+        None,
+        group="timeouts",
+        aliases=("--request-timeout",),
+        help="seconds a request may take from arrival to its last token; past it, it is aborted with a 504 "
+        "(streams: an error event). Requests may ask for less (request_timeout), never more. Default: none",
+    )
+    max_queue_time_s: float | None = setting(
+        None,
+        group="timeouts",
+        aliases=("--max-queue-time",),
+        help="seconds a request may wait for its first output (its first scheduled step's result); past it, "
+        "it is aborted with a 504. Requests may ask for less (max_queue_time), never more. Default: none",
+    )
+    body_read_timeout_s: float | None = setting(
+        30.0,
+        group="timeouts",
+        aliases=("--body-read-timeout",),
+        metavar="SECONDS",
+        help="a request's body must arrive within this many seconds of its headers, else 408 "
+        "(against slow clients; default 30)",
+    )
+    # 20 s, Apache mod_reqtimeout's first deadline: headers are a few hundred bytes sent in one round trip,
+    # so even a slow link needs a fraction of it, and a slow-loris client must reconnect every 20 s.
+    header_read_timeout_s: float = setting(
+        20.0,
+        group="timeouts",
+        aliases=("--header-read-timeout",),
+        metavar="SECONDS",
+        help="a request's headers must arrive within this many seconds of the connection opening (or of its "
+        "first byte on a kept-alive connection), else 408 and close (against slow-loris clients; default 20)",
+    )
+    engine_in_thread: bool = setting(
+        False,
+        group="model",
+        help="run the engine core on a thread of the server process instead of its own process "
+        "(debugging; it then shares the GIL with HTTP and detokenization, so it is slower)",
+    )
+    max_engine_restarts: int = setting(
+        5,
+        group="model",
+        help="when the engine dies (its process killed, or model steps failing in a row), start a new one, at "
+        "most this many times per 10 minutes; requests with no output yet run again on it. 0: stay dead",
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        group="tools",
+        choices=sorted(TOOL_PARSERS),
+        help='how to find tool calls in the text of tool_choice "auto" (the default when a request gives tools): '
+        "the format the model's chat template teaches it; hermes: <tool_call>{json}</tool_call> (Qwen2.5, Qwen3, "
+        'Hermes), llama3_json: {"name": ..., "parameters": ...} (Llama 3.1-3.3). Without it, "auto" gets 400; '
+        '"required" and named functions work without it',
+    )
+    audit_log: str | None = setting(
+        None,
+        group="observability",
+        metavar="FILE",
+        help="append one JSON line per finished completion/chat request (time, key hash, client, route, "
+        "model, status, tokens, latency, finish reason) to FILE",
+    )
+    audit_log_content: bool = setting(
+        False,
+        group="observability",
+        help="also write each request's prompt and output to the audit log (off by default: they may be sensitive)",
+    )
+    slo_ttft_ms: float | None = setting(
+        None, group="observability", help="time-to-first-token SLO (p99), drawn as a line"
+    )
+    slo_itl_ms: float | None = setting(
+        None, group="observability", help="inter-token latency SLO (p99), drawn as a line"
+    )
+    throughput_baseline: float | None = setting(
+        None,
+        group="observability",
+        metavar="TOKS",
+        help="total tokens/s this server should reach under load (the throughput alerts' baseline); "
+        "default: the dashboard's best recent minute and the alerts' recording rule",
+    )
+    cost_per_hour: float | None = setting(
+        None, group="observability", metavar="DOLLARS", help="$ per hour of this server: cost per 1M tokens"
+    )
+    dashboard: bool = setting(True, group="observability", help="serve /dashboard and /dashboard/data")
+    log_format: str = setting(
+        "text", group="observability", choices=LOG_FORMATS, help="json: one JSON object per log line"
+    )
+    log_level: str = setting("info", group="observability", choices=LOG_LEVELS, help="least severe log lines shown")
+    otlp_traces_endpoint: str | None = setting(
+        None,
+        group="observability",
+        metavar="URL",
+        help="export per-request spans (queued, prefill, decode) over OTLP/HTTP, e.g. "
+        "http://localhost:4318/v1/traces (needs pip install 'tokenmill[otel]')",
+    )
+    # Several models beside the default one (--registry, --extra-model), loaded on demand: PoolConfig's flags
     models: PoolConfig = field(default_factory=PoolConfig)
 
     def __post_init__(self) -> None:

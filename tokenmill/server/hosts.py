@@ -32,11 +32,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def split_commas(values: list[str] | tuple[str, ...]) -> tuple[str, ...]:
-    """`--allowed-hosts a,b --allowed-hosts c` as ("a", "b", "c") (also for --allowed-origins)."""
-    return tuple(h.strip() for value in values for h in value.split(",") if h.strip())
-
-
 def allowed_hosts(bind_host: str, configured: tuple[str, ...]) -> tuple[str, ...] | None:
     """The Host names to accept; None: any."""
     if configured:

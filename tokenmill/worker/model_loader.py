@@ -15,8 +15,8 @@ from tokenmill.config import ModelConfig
 from tokenmill.loader import hf
 from tokenmill.loader.dummy import init_dummy_weights
 from tokenmill.loader.gguf_weights import GGUFWeights
-from tokenmill.models.layers.rotary import RotaryEmbedding
 from tokenmill.models.architectures import model_class
+from tokenmill.models.layers.rotary import RotaryEmbedding
 from tokenmill.ops import hugepages, packed_gemm
 from tokenmill.quant import (
     GroupedLinear,

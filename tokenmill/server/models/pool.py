@@ -25,11 +25,10 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.metrics.prometheus import ServerMetrics
 from tokenmill.registry import RegistryCorruptError, UnknownModelError
 from tokenmill.registry.describe import describe
-from tokenmill.server.config import ServerState
+from tokenmill.server.config import PoolConfig, ServerState
 from tokenmill.server.errors import APIError
 from tokenmill.server.models.access import KeyAccess
 from tokenmill.server.models.catalog import Catalog, ModelEntry
-from tokenmill.server.models.config import PoolConfig
 from tokenmill.server.models.estimate import GIB, kv_cache_bytes, weight_bytes
 from tokenmill.server.models.metrics import PoolMetrics
 
