@@ -1,6 +1,6 @@
 """tokenmill: a high-throughput LLM inference engine you can read in an afternoon.
 
-The public names load on first use: importing a subpackage (say `tokenmill.core`, which is pure Python)
+The public names load on first use: importing a subpackage (say `tokenmill.scheduling`, which is pure Python)
 does not pull in the engine, torch and the model code."""
 
 from __future__ import annotations

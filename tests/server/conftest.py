@@ -25,7 +25,7 @@ from tokenmill.engine.core_client import ThreadCoreClient
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.server.config import ServerConfig, ServerState
 from tokenmill.server.launcher import GracefulServer, make_server
-from tokenmill.server.models.setup import create_state
+from tokenmill.server.pool.setup import create_state
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: tiny config's bos 1, eos 2
 CHATML = (

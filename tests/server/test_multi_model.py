@@ -20,8 +20,8 @@ from tests.tiny_models import make_tiny_model
 from tokenmill.registry import Registry
 from tokenmill.registry.describe import describe
 from tokenmill.server.config import PoolConfig, ServerConfig
-from tokenmill.server.models.access import AccessPolicy
-from tokenmill.server.models.estimate import GIB, kv_cache_bytes, weight_bytes
+from tokenmill.server.pool.access import AccessPolicy
+from tokenmill.server.pool.estimate import GIB, kv_cache_bytes, weight_bytes
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 ALL = {"Authorization": "Bearer sk-all"}  # may use every model

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from tests.server.conftest import RunningServer
-from tokenmill.core.scheduler import AdmissionLimits
 from tokenmill.engine import input_processor
 from tokenmill.engine.request_limits import RequestCaps, resolve_max_tokens
+from tokenmill.scheduling.scheduler import AdmissionLimits
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tokenmill.core.block_pool import BlockPool, hash_block_tokens
+from tokenmill.scheduling.block_pool import BlockPool, hash_block_tokens
 
 H1 = hash_block_tokens(None, [1, 2, 3, 4])
 H2 = hash_block_tokens(None, [5, 6, 7, 8])

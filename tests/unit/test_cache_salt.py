@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.request import Request
-from tokenmill.core.scheduler import AdmissionLimits
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.messages import COMMANDS, AddRequests, NewRequest, build_requests
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduling.kv_cache_manager import KVCacheManager
+from tokenmill.scheduling.request import Request
+from tokenmill.scheduling.scheduler import AdmissionLimits
 
 BS = 4
 PROMPT_10 = list(range(100, 110))  # two full blocks and a partial one of 2 tokens

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.request import Request
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduling.kv_cache_manager import KVCacheManager
+from tokenmill.scheduling.request import Request
 
 BS = 4
 

@@ -10,7 +10,6 @@ from typing import cast
 from transformers import PreTrainedTokenizerBase
 
 from tests.unit.test_scheduler import BS, FakeRunner, make_scheduler
-from tokenmill.core.scheduler import AdmissionLimits
 from tokenmill.engine.input_processor import InputProcessor, PreparedRequest
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.token_texts import token_texts
@@ -23,6 +22,7 @@ from tokenmill.outputs import (
     TokenLogprobs,
 )
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduling.scheduler import AdmissionLimits
 
 PROMPT = list(range(100, 117))  # 17 tokens: four full blocks, so a cache hit covers 16
 MAX_TOKENS = 3

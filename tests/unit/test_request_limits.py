@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.core.scheduler import AdmissionLimits
 from tokenmill.engine import input_processor
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.request_limits import RequestCaps, RequestRejected, resolve_max_tokens
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduling.scheduler import AdmissionLimits
 
 LIMITS = AdmissionLimits(max_model_len=32, block_size=4, num_blocks=64)
 SERVER = RequestCaps(max_tokens=20, max_prompt_tokens=31)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from tokenmill.core.request import Request
 from tokenmill.engine.messages import NewRequest, build_requests
 from tokenmill.engine.restart_policy import RestartPolicy
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduling.request import Request
 
 
 def test_deaths_are_capped_per_window() -> None:

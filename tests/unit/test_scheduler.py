@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import pytest
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.scheduler import Scheduler
 from tokenmill.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduling.kv_cache_manager import KVCacheManager
+from tokenmill.scheduling.request import Request, RequestStatus
+from tokenmill.scheduling.scheduler import Scheduler
 
 BS = 4
 EOS = 2

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from tests.unit.test_scheduler import BS, EOS, make_request
 from tokenmill.config import SchedulerConfig, SpeculativeConfig
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.request import Request
-from tokenmill.core.scheduler import Scheduler
 from tokenmill.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenmill.scheduling.kv_cache_manager import KVCacheManager
+from tokenmill.scheduling.request import Request
+from tokenmill.scheduling.scheduler import Scheduler
 
 
 def spec_scheduler(

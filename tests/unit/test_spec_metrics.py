@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from tokenmill.core.request import Request
 from tokenmill.engine.async_engine import RequestStream
 from tokenmill.engine.messages import EVENTS, EngineSnapshot, EngineStep, NewRequest, RequestTimings
 from tokenmill.engine.request_metrics import merge_request_metrics
 from tokenmill.metrics.prometheus import ServerMetrics
 from tokenmill.outputs import EngineCoreOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduling.request import Request
 from tokenmill.server.protocol import SpeculativeDecodingUsage, UsageInfo
 
 MODEL = "tiny"

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from tests.tiny_models import make_tiny_tokenizer
-from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.scheduler import AdmissionLimits
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.sample.bitmask import TokenBitmask, apply_token_bitmask, bitmask_penalty
 from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sample.sampler import Sampler
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenmill.scheduling.request import Request, RequestStatus
+from tokenmill.scheduling.scheduler import AdmissionLimits
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.llguidance_backend import LLGuidanceBackend, grammar_text, llguidance_grammars
 from tokenmill.structured.manager import StructuredOutputManager

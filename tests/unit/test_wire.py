@@ -10,8 +10,6 @@ from typing import Any
 import msgspec
 import pytest
 
-from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.scheduler import AdmissionLimits
 from tokenmill.engine.messages import (
     COMMANDS,
     EVENTS,
@@ -40,6 +38,8 @@ from tokenmill.executor.messages import (
 )
 from tokenmill.outputs import CachedRequestData, EngineCoreOutput, Logprob, NewRequestData, SchedulerOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenmill.scheduling.request import Request, RequestStatus
+from tokenmill.scheduling.scheduler import AdmissionLimits
 from tokenmill.wire import WireError
 
 _EMPTY: tuple[object, ...] = (None, 0, "", (), [], {})

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.config import EngineArgs
-from tokenmill.core.request import RequestStatus
 from tokenmill.engine.core_client import CoreClient, ProcessCoreClient, ThreadCoreClient
 from tokenmill.engine.core_loop import EngineDeadError
 from tokenmill.engine.engine_args import create_engine_config
@@ -46,6 +45,7 @@ from tokenmill.engine.restart_policy import RestartPolicy
 from tokenmill.loader.hf import load_tokenizer
 from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduling.request import RequestStatus
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -26,8 +26,6 @@ from multiprocessing.connection import Connection
 from typing import Protocol
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.request import RequestStatus
-from tokenmill.core.scheduler import AdmissionLimits
 from tokenmill.engine.core_loop import CoreLoop
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.messages import (
@@ -45,6 +43,8 @@ from tokenmill.engine.messages import (
 )
 from tokenmill.loader.model_source import ModelSource
 from tokenmill.log_format import configure_child_logging
+from tokenmill.scheduling.request import RequestStatus
+from tokenmill.scheduling.scheduler import AdmissionLimits
 
 logger = logging.getLogger(__name__)
 

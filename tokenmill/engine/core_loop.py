@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from tokenmill.core.request import Request, RequestStatus
 from tokenmill.engine.engine_core import EngineCore, StepShape
 from tokenmill.engine.messages import (
     AbortRequests,
@@ -23,6 +22,7 @@ from tokenmill.engine.messages import (
     build_requests,
 )
 from tokenmill.outputs import EngineCoreOutput
+from tokenmill.scheduling.request import Request, RequestStatus
 
 __all__ = ["CommandSource", "CoreLoop", "EngineDeadError", "EngineSnapshot", "EventSink"]
 

@@ -11,15 +11,15 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.process_tuning import freeze_startup_heap, keep_freed_memory
 from tokenmill.executor import Executor, ExecutorDeadError, make_executor
 from tokenmill.loader.hf import load_tokenizer
 from tokenmill.loader.model_source import ModelSource
 from tokenmill.outputs import EngineCoreOutput
 from tokenmill.sampling_params import params_for_wire
+from tokenmill.scheduling.kv_cache_manager import KVCacheManager
+from tokenmill.scheduling.request import Request, RequestStatus
+from tokenmill.scheduling.scheduler import Scheduler
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.llguidance_backend import LLGuidanceBackend
 

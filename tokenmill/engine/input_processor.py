@@ -6,11 +6,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.core.request import Request
-from tokenmill.core.scheduler import AdmissionLimits
 from tokenmill.engine.chat_template import chat_prompt_token_ids
 from tokenmill.engine.request_limits import NO_CAPS, RequestCaps, resolve_max_tokens
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduling.request import Request
+from tokenmill.scheduling.scheduler import AdmissionLimits
 from tokenmill.structured.backend import GrammarChecker
 from tokenmill.structured.llguidance_backend import LLGuidanceChecker
 

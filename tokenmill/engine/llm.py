@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from tqdm import tqdm
 
 from tokenmill.config import EngineArgs
-from tokenmill.core.request import Request, RequestStatus
 from tokenmill.engine.engine_args import create_engine_config
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.input_processor import InputProcessor, PreparedRequest, Prompt
@@ -21,6 +20,7 @@ from tokenmill.engine.request_metrics import merge_request_metrics
 from tokenmill.loader.hf import load_tokenizer
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduling.request import Request, RequestStatus
 from tokenmill.structured.llguidance_backend import llguidance_grammars
 
 if TYPE_CHECKING:

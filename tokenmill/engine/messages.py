@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.scheduler import AdmissionLimits
 from tokenmill.outputs import EngineCoreOutput
 from tokenmill.sampling_params import SamplingParams, params_for_wire
+from tokenmill.scheduling.request import Request, RequestStatus
+from tokenmill.scheduling.scheduler import AdmissionLimits
 from tokenmill.wire import Codec, Message
 
 

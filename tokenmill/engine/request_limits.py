@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.core.scheduler import AdmissionLimits
+from tokenmill.scheduling.scheduler import AdmissionLimits
 
 
 class RequestRejected(ValueError):

@@ -22,7 +22,7 @@ from tokenmill.engine.restart_policy import RestartPolicy
 from tokenmill.fleet.logs import use_serve_logging
 from tokenmill.server.app import build_app
 from tokenmill.server.config import ServerConfig
-from tokenmill.server.models.setup import create_state
+from tokenmill.server.pool.setup import create_state
 
 logger = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ from tokenmill.server.dashboard import Dashboard
 from tokenmill.server.dashboard.errors import ErrorTrackerMiddleware
 from tokenmill.server.errors import APIError, error_body, install_error_handlers
 from tokenmill.server.hosts import HostMiddleware, allowed_hosts
-from tokenmill.server.models.admin import ADMIN_PREFIX, admin_router
-from tokenmill.server.models.listing import model_cards
-from tokenmill.server.models.pool import state_for_model
+from tokenmill.server.pool.admin import ADMIN_PREFIX, admin_router
+from tokenmill.server.pool.listing import model_cards
+from tokenmill.server.pool.pool import state_for_model
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,

@@ -18,7 +18,7 @@ from tokenmill.server.tool_parsers import TOOL_PARSERS, ToolParser
 from tokenmill.settings import setting
 
 if TYPE_CHECKING:
-    from tokenmill.server.models.pool import ModelPool
+    from tokenmill.server.pool.pool import ModelPool
 
 API_KEY_ENV = "TOKENMILL_API_KEY"  # one key, or several separated by commas
 PREFIX_CACHE_ISOLATION = ("shared", "per-key")

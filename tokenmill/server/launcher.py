@@ -26,7 +26,7 @@ from tokenmill.server.app import build_app
 from tokenmill.server.config import ServerConfig, ServerState
 from tokenmill.server.header_deadline import header_deadline_protocol
 from tokenmill.server.hosts import is_loopback
-from tokenmill.server.models.setup import create_state
+from tokenmill.server.pool.setup import create_state
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Protocol
 
-from tokenmill.core.request import Request
+from tokenmill.scheduling.request import Request
 
 
 class RequestQueue(Protocol):

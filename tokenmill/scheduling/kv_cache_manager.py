@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.core.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
-from tokenmill.core.request import Request
+from tokenmill.scheduling.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
+from tokenmill.scheduling.request import Request
 
 
 @dataclass

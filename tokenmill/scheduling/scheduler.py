@@ -9,10 +9,6 @@ import time
 from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig, SpeculativeConfig
-from tokenmill.core.block_pool import Block
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.request_queue import make_queue
 from tokenmill.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -21,6 +17,10 @@ from tokenmill.outputs import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from tokenmill.scheduling.block_pool import Block
+from tokenmill.scheduling.kv_cache_manager import KVCacheManager
+from tokenmill.scheduling.request import Request, RequestStatus
+from tokenmill.scheduling.request_queue import make_queue
 
 logger = logging.getLogger(__name__)
 

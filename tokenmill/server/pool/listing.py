@@ -3,8 +3,8 @@ names, aliases), with what it resolves to and that version's state. A key sees o
 
 from __future__ import annotations
 
-from tokenmill.server.models.catalog import ModelEntry
-from tokenmill.server.models.pool import ModelPool, ModelStatus
+from tokenmill.server.pool.catalog import ModelEntry
+from tokenmill.server.pool.pool import ModelPool, ModelStatus
 from tokenmill.server.protocol import ModelCard
 
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tokenmill.registry import RegistryError, UnknownModelError
 from tokenmill.server.errors import APIError
-from tokenmill.server.models.pool import LoadedModel, ModelPool
+from tokenmill.server.pool.pool import LoadedModel, ModelPool
 
 ADMIN_PREFIX = "/admin/"
 

@@ -10,9 +10,9 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.restart_policy import RestartPolicy
 from tokenmill.registry import Registry
 from tokenmill.server.config import ServerConfig, ServerState
-from tokenmill.server.models.access import AccessPolicy, KeyAccess
-from tokenmill.server.models.catalog import Catalog
-from tokenmill.server.models.pool import ModelPool, NewEngine
+from tokenmill.server.pool.access import AccessPolicy, KeyAccess
+from tokenmill.server.pool.catalog import Catalog
+from tokenmill.server.pool.pool import ModelPool, NewEngine
 
 
 def engine_factory(config: ServerConfig) -> NewEngine:

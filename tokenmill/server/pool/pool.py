@@ -27,10 +27,10 @@ from tokenmill.registry import RegistryCorruptError, UnknownModelError
 from tokenmill.registry.describe import describe
 from tokenmill.server.config import PoolConfig, ServerState
 from tokenmill.server.errors import APIError
-from tokenmill.server.models.access import KeyAccess
-from tokenmill.server.models.catalog import Catalog, ModelEntry
-from tokenmill.server.models.estimate import GIB, kv_cache_bytes, weight_bytes
-from tokenmill.server.models.metrics import PoolMetrics
+from tokenmill.server.pool.access import KeyAccess
+from tokenmill.server.pool.catalog import Catalog, ModelEntry
+from tokenmill.server.pool.estimate import GIB, kv_cache_bytes, weight_bytes
+from tokenmill.server.pool.metrics import PoolMetrics
 
 logger = logging.getLogger(__name__)
 
