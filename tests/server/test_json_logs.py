@@ -18,10 +18,11 @@ from tokenmill.metrics.logs import use_json_logs
 ENGINE_PROCESS_FAILS = """
 from multiprocessing import Pipe
 from tokenmill.engine.core_client import run_engine_process
+from tokenmill.engine.messages import EVENTS
 commands, _ = Pipe(duplex=False)
 events, events_out = Pipe(duplex=False)
 run_engine_process(None, None, commands, events_out)
-print(events.recv_bytes()[:64])
+print(type(EVENTS.decode(events.recv_bytes())).__name__)
 """
 
 
@@ -31,7 +32,7 @@ def run_engine_process_failing(log_format: str) -> list[str]:
         [sys.executable, "-c", ENGINE_PROCESS_FAILS], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    assert "start_failed" in done.stdout  # the server still hears why
+    assert done.stdout.strip() == "EngineStartFailed"  # the server still hears why
     return [line for line in done.stderr.splitlines() if line.strip()]
 
 
