@@ -159,8 +159,18 @@ def test_steps_are_counted_by_shape_and_read_the_weights_plus_the_kv_context(das
 
 
 def test_calibrating_through_the_server_fits_its_step_counters(dash_server: RunningServer) -> None:
-    requests = [BenchRequest(list(range(200 + i, 220 + i)), 6) for i in range(8)]
-    measured = calibrate_server(dash_server.url, served_model(dash_server.url, None), requests, max_num_seqs=4)
+    measured = None
+    # How arrivals fall into steps depends on timing: on a loaded 2-core machine a window's steps can
+    # happen to repeat one shape, leaving the fit singular. One more try, on prompts the cache has not seen.
+    for attempt in range(2):
+        requests = [BenchRequest(list(range(200 + 100 * attempt + i, 220 + 100 * attempt + i)), 6) for i in range(8)]
+        try:
+            measured = calibrate_server(dash_server.url, served_model(dash_server.url, None), requests, max_num_seqs=4)
+            break
+        except ValueError as exc:
+            if attempt == 1 or "cannot separate" not in str(exc):
+                raise
+    assert measured is not None
     assert [w["concurrency"] for w in measured["windows"]] == [1, 4]  # the concurrencies up to max_num_seqs
     assert [w["requests"] for w in measured["windows"]] == [3, 5]  # each request once: the second window is short
     samples = [StepSample(**s) for w in measured["windows"] for s in w["steps"]]
