@@ -246,16 +246,17 @@ def test_the_same_spec_compiles_once(backend: LLGuidanceBackend) -> None:
     assert len(compiled) == 4
 
 
-@pytest.mark.parametrize(
-    ("spec", "message"),
-    [
-        (StructuredOutputsParams(regex="(unclosed"), "unclosed group"),
-        (StructuredOutputsParams(grammar="start: foo"), 'unknown name: "foo"'),
-        (StructuredOutputsParams(json={"type": "string", "minLength": 5, "maxLength": 2}), "minLength (5) is greater"),
-        (StructuredOutputsParams(json={"type": "objekt"}), "Invalid type: objekt"),
-        (StructuredOutputsParams(json="{not json"), "line 1 column 2"),
-    ],
-)
+# Invalid specs and the words of llguidance's message for each.
+INVALID_SPECS = [
+    (StructuredOutputsParams(regex="(unclosed"), "unclosed group"),
+    (StructuredOutputsParams(grammar="start: foo"), 'unknown name: "foo"'),
+    (StructuredOutputsParams(json={"type": "string", "minLength": 5, "maxLength": 2}), "minLength (5) is greater"),
+    (StructuredOutputsParams(json={"type": "objekt"}), "Invalid type: objekt"),
+    (StructuredOutputsParams(json="{not json"), "line 1 column 2"),
+]
+
+
+@pytest.mark.parametrize(("spec", "message"), INVALID_SPECS)
 def test_an_invalid_spec_raises_value_error_with_llguidances_message(
     backend: LLGuidanceBackend, spec: StructuredOutputsParams, message: str
 ) -> None:
@@ -264,16 +265,7 @@ def test_an_invalid_spec_raises_value_error_with_llguidances_message(
     assert message in str(info.value)
 
 
-@pytest.mark.parametrize(
-    ("spec", "message"),
-    [
-        (StructuredOutputsParams(regex="(unclosed"), "unclosed group"),
-        (StructuredOutputsParams(grammar="start: foo"), 'unknown name: "foo"'),
-        (StructuredOutputsParams(json={"type": "string", "minLength": 5, "maxLength": 2}), "minLength (5) is greater"),
-        (StructuredOutputsParams(json={"type": "objekt"}), "Invalid type: objekt"),
-        (StructuredOutputsParams(json="{not json"), "line 1 column 2"),
-    ],
-)
+@pytest.mark.parametrize(("spec", "message"), INVALID_SPECS)
 def test_the_front_end_check_gives_the_compilers_message_without_compiling(
     tokenizer: Any, monkeypatch: pytest.MonkeyPatch, spec: StructuredOutputsParams, message: str
 ) -> None:
