@@ -39,6 +39,30 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": dict(model_type="mistral", tie_word_embeddings=False, sliding_window=None),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=False, head_dim=32),
+    # Mixture-of-experts (models/moe.py): 4-8 experts, top-2, narrow experts.
+    "qwen2-moe": dict(  # QKV bias, a gated shared expert, layer 1 a dense MLP
+        model_type="qwen2_moe",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        mlp_only_layers=[1],
+    ),
+    "qwen3-moe": dict(
+        model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+    ),
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+    "granitemoe": dict(  # tied head; every multiplier away from 1
+        model_type="granitemoe",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=64,
+        tie_word_embeddings=True,
+        embedding_multiplier=2.0,
+        attention_multiplier=0.2,
+        residual_multiplier=0.5,
+        logits_scaling=2.0,
+    ),
 }
 
 
