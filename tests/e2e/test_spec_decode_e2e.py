@@ -17,7 +17,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.spec_decode.proposer import Proposal
 from tokenmill.worker.model_runner import kv_cache_bytes_per_block
 
-FAMILIES = ["llama", "qwen2", "qwen3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3-moe"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 # Speculation on for every batch these tests run (the default turns it off above a few requests).
 ALWAYS = {"disable_by_batch_size": 64}
