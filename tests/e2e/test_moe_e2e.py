@@ -8,17 +8,19 @@ on every family of tests/tiny_models.py."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoConfig
 
 from tests.tiny_models import hf_model, make_tiny_model, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.models.layers import moe as moe_layers
 from tokenmill.models.layers.moe import FusedExperts, SparseMoeBlock
 from tokenmill.models.llama import MLP
+from tokenmill.models.moe import MoeForCausalLM
 
 MOE_FAMILIES = ["qwen2-moe", "qwen3-moe", "mixtral", "granitemoe"]
 
@@ -162,3 +164,13 @@ def test_int8_greedy_agreement_is_that_of_the_dense_families(tmp_path: Path) -> 
     model: Any = int8_llm.engine.runner.model
     router = model.layers[0].mlp.gate
     assert router.weight.dtype == torch.float32
+
+
+def test_a_sliding_window_shorter_than_the_context_is_refused(tmp_path: Path) -> None:
+    """Every MoE layer attends to the whole context: within the window that is exact, beyond it wrong."""
+    folder = make_tiny_model(tmp_path / "mixtral", "mixtral", sliding_window=64)
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"), pytest.raises(ValueError, match="sliding window of 64 tokens.*--max-model-len 64"):
+        MoeForCausalLM(config, backend=cast(Any, None), max_position=512)
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=16, max_model_len=64)
+    assert llm.generate([[5, 6]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids

@@ -92,6 +92,16 @@ class MoeSpec:
         raise ValueError(f"MoeForCausalLM does not serve model_type {model_type!r}")
 
 
+def _check_full_attention(hf_config: Any, max_position: int) -> None:
+    """Every layer here attends to the whole context: refuse a config whose sliding window would cut it."""
+    window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
+    if window and window < max_position:
+        raise ValueError(
+            f"this {hf_config.model_type} config attends within a sliding window of {window} tokens, which "
+            f"MoeForCausalLM does not implement; serve it with --max-model-len {window} or less."
+        )
+
+
 class MoeDecoderLayer(nn.Module):
     def __init__(self, hf_config: Any, spec: MoeSpec, index: int) -> None:
         super().__init__()
@@ -150,6 +160,7 @@ class MoeForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, backend: AttentionBackend, max_position: int) -> None:
         super().__init__()
         self.spec = MoeSpec.of(hf_config)
+        _check_full_attention(hf_config, max_position)
         self.config = hf_config
         self.backend = backend
         self.vocab_size = int(hf_config.vocab_size)
