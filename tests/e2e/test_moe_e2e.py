@@ -7,16 +7,18 @@ on every family of tests/tiny_models.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, cast
 
+import jsonschema
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 
-from tests.tiny_models import hf_model, make_tiny_model, random_prompts
-from tokenmill import LLM, SamplingParams
+from tests.tiny_models import hf_model, make_tiny_model, make_tiny_tokenizer, random_prompts
+from tokenmill import LLM, SamplingParams, StructuredOutputsParams
 from tokenmill.models.layers import moe as moe_layers
 from tokenmill.models.layers.moe import FusedExperts, SparseMoeBlock
 from tokenmill.models.llama import MLP
@@ -174,3 +176,25 @@ def test_a_sliding_window_shorter_than_the_context_is_refused(tmp_path: Path) ->
         MoeForCausalLM(config, backend=cast(Any, None), max_position=512)
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=16, max_model_len=64)
     assert llm.generate([[5, 6]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_structured_output_with_speculative_drafts_follows_the_schema(tmp_path: Path) -> None:
+    """A constrained request through GraniteMoe (its logits scaled) with n-gram drafts verified by the
+    experts: the JSON parses and validates."""
+    folder = make_tiny_model(tmp_path / "granitemoe", "granitemoe")
+    make_tiny_tokenizer().save_pretrained(folder)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 8}
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, speculative_config=spec)
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "age": {"type": "integer", "maximum": 120}},
+        "required": ["color", "age"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        max_tokens=60, temperature=1.0, seed=0, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    for out in llm.generate(["Answer in JSON:", "hello"], params, use_tqdm=False):
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    assert llm.engine.scheduler.stats.spec.num_draft_tokens > 0
