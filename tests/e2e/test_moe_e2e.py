@@ -116,7 +116,7 @@ def test_a_tensor_parallel_rank_loads_its_slice_of_per_expert_and_stacked_tensor
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Rank 1 of 2 keeps intermediate rows [I/2, I) of each expert's gate and up and those columns of its
-    down, whether the checkpoint stores one tensor per expert or all experts stacked (GraniteMoe)."""
+    down, whether the checkpoint stores one tensor per expert or all experts stacked (GraniteMoe; GGUF)."""
     monkeypatch.setattr(moe_layers, "tp_world_size", lambda: 2)
     monkeypatch.setattr(moe_layers, "tp_rank", lambda: 1)
     num_experts, hidden, inter = 3, 8, 6
@@ -126,15 +126,18 @@ def test_a_tensor_parallel_rank_loads_its_slice_of_per_expert_and_stacked_tensor
         torch.randn(num_experts, inter, hidden, generator=gen),
     )
     down = torch.randn(num_experts, hidden, inter, generator=gen)
-    per_expert, stacked = (FusedExperts(num_experts, hidden, inter) for _ in range(2))
+    per_expert, stacked, gguf_like = (FusedExperts(num_experts, hidden, inter) for _ in range(3))
     for e in range(num_experts):
         per_expert.weight_loader(per_expert.w13, gate[e], "gate", e)
         per_expert.weight_loader(per_expert.w13, up[e], "up", e)
         per_expert.weight_loader(per_expert.w2, down[e], "down", e)
     stacked.weight_loader(stacked.w13, torch.cat([gate, up], dim=1), "gate_up")
     stacked.weight_loader(stacked.w2, down, "down")
+    gguf_like.weight_loader(gguf_like.w13, gate, "gate")  # gate and up stacked apart
+    gguf_like.weight_loader(gguf_like.w13, up, "up")
+    gguf_like.weight_loader(gguf_like.w2, down, "down")
     want_w13 = torch.cat([gate[:, 3:], up[:, 3:]], dim=1)  # [E, 2 * I/2, H]
-    for experts in (per_expert, stacked):
+    for experts in (per_expert, stacked, gguf_like):
         assert torch.equal(experts.w13.data, want_w13)
         assert torch.equal(experts.w2.data, down[:, :, 3:])
     with pytest.raises(ValueError, match="expert 3 does not exist"):

@@ -127,7 +127,8 @@ class FusedExperts(nn.Module):
     ) -> None:
         """Copy this rank's slice of one checkpoint tensor. With `expert_id`, one expert's tensor: shard_id
         "gate" or "up" ([I, H], into w13) or "down" ([H, I], into w2). Without, every expert's stacked:
-        "gate_up" ([E, 2 * I, H], gate rows then up rows, into w13) or "down" ([E, H, I], into w2)."""
+        "gate_up" ([E, 2 * I, H], gate rows then up rows), "gate" or "up" ([E, I, H], GGUF's layout), or
+        "down" ([E, H, I])."""
         if shard_id not in ("gate", "up", "down", "gate_up"):
             raise ValueError(f"expert shard id must be 'gate', 'up', 'down' or 'gate_up', got {shard_id!r}")
         i_local = self.intermediate_size
