@@ -89,8 +89,9 @@ class FusedExperts(nn.Module):
     forward(x [T, H], topk_ids [T, k], topk_weights [T, k]) = sum over the k chosen experts of
     weight * down(silu(gate(x)) * up(x)): under tensor parallelism a partial sum the caller all-reduces.
     This torch forward is the reference and the GPU path: the T * k (token, expert) rows sorted by expert,
-    two grouped GEMMs over the experts' row ranges, a weighted scatter-add back; no host sync, so CUDA
-    graphs can capture it."""
+    two grouped GEMMs over the experts' row ranges, a weighted scatter-add back. No host sync where the
+    grouped GEMM has a native kernel (bf16 on Hopper or Blackwell); elsewhere torch's grouped GEMM reads
+    the offsets on the host, so a CUDA graph being captured runs every expert on every token instead."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -107,6 +108,8 @@ class FusedExperts(nn.Module):
         topk_ids: torch.Tensor,  # [T, k] int64
         topk_weights: torch.Tensor,  # [T, k] float32
     ) -> torch.Tensor:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing() and not _native_grouped_gemm(x):
+            return self.forward_every_expert(x, topk_ids, topk_weights)
         num_tokens, k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)  # [T * k]
         order = flat_ids.argsort(stable=True)  # the (token, expert) rows grouped by expert
@@ -121,6 +124,21 @@ class FusedExperts(nn.Module):
         weighted = down.float() * topk_weights.reshape(-1)[order].unsqueeze(-1)  # [T * k, H]
         out = torch.zeros(num_tokens, self.hidden_size, dtype=torch.float32, device=x.device)
         return out.index_add_(0, token_of_row, weighted).to(x.dtype)  # [T, H]
+
+    def forward_every_expert(
+        self,
+        x: torch.Tensor,  # [T, H]
+        topk_ids: torch.Tensor,  # [T, k] int64
+        topk_weights: torch.Tensor,  # [T, k] float32
+    ) -> torch.Tensor:
+        """The same sum with every expert run on every token and weighted 0 where not chosen: E / k times
+        the FLOPs, but no shape depends on the routing (decode batches under a CUDA graph)."""
+        gate_up = torch.matmul(x.unsqueeze(0), self.w13.transpose(1, 2))  # [E, T, 2 * I_local]
+        gate, up = gate_up.chunk(2, dim=-1)
+        down = torch.bmm(F.silu(gate) * up, self.w2.transpose(1, 2))  # [E, T, H]
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=torch.float32, device=x.device)
+        dense.scatter_add_(1, topk_ids, topk_weights)  # [T, E] each token's weight per expert
+        return torch.einsum("eth,te->th", down.float(), dense).to(x.dtype)  # [T, H]
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None, expert_id: int | None = None
@@ -151,6 +169,11 @@ class FusedExperts(nn.Module):
             source_row = (full if piece == "up" and shard_id == "gate_up" else 0) + start
             target_row = i_local if piece == "up" else 0
             _copy(target.narrow(1, target_row, i_local), loaded.narrow(1, source_row, i_local))
+
+
+def _native_grouped_gemm(x: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM runs on the device without reading its offsets on the host."""
+    return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] in (9, 10)
 
 
 def _copy(target: torch.Tensor, piece: torch.Tensor) -> None:
