@@ -8,6 +8,8 @@ on every family of tests/tiny_models.py."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 from typing import Any, cast
 
@@ -15,6 +17,7 @@ import jsonschema
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from tests.tiny_models import hf_model, make_tiny_model, make_tiny_tokenizer, random_prompts
@@ -81,6 +84,45 @@ def test_sparse_block_equals_hf_with_checkpoint_experts(moe_pair: tuple[Any, Any
         assert kinds == [SparseMoeBlock, MLP] and ours.layers[0].mlp.shared_expert is not None
     else:
         assert kinds == [SparseMoeBlock, SparseMoeBlock]
+
+
+def restack_experts(folder: Path, dest: Path, gate_up_together: bool) -> Path:
+    """The checkpoint with each layer's per-expert tensors stacked, under transformers' own names
+    (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) or GGUF's split (gate_proj, up_proj)."""
+    shutil.copytree(folder, dest)
+    tensors = load_file(folder / "model.safetensors")
+    per_expert = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight")
+    grouped: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    out = {}
+    for name, tensor in tensors.items():
+        match = per_expert.fullmatch(name)
+        if match is None:
+            out[name] = tensor
+        else:
+            grouped.setdefault((match.group(1), match.group(3)), {})[int(match.group(2))] = tensor
+    for (prefix, proj), by_expert in grouped.items():
+        out[f"{prefix}.{proj}"] = torch.stack([by_expert[e] for e in sorted(by_expert)])
+    if gate_up_together:
+        for prefix in {prefix for prefix, _ in grouped}:
+            out[f"{prefix}.gate_up_proj"] = torch.cat([out.pop(f"{prefix}.gate_proj"), out.pop(f"{prefix}.up_proj")], 1)
+    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+@pytest.mark.parametrize("gate_up_together", [True, False])
+def test_stacked_expert_checkpoints_give_the_same_tokens(tmp_path: Path, gate_up_together: bool) -> None:
+    folder = make_tiny_model(tmp_path / "qwen3-moe", "qwen3-moe")
+    stacked = restack_experts(folder, tmp_path / "stacked", gate_up_together)
+    prompts = random_prompts(4, 5, 30, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want, got = (
+        [
+            o.outputs[0].token_ids
+            for o in LLM(str(f), dtype="float32", num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
+        ]
+        for f in (folder, stacked)
+    )
+    assert got == want
 
 
 def per_expert_loop(experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

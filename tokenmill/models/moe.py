@@ -145,12 +145,15 @@ class MoeDecoderLayer(nn.Module):
 # Checkpoint names of the experts (after "model." and Mixtral's / Granite's "block_sparse_moe." -> "mlp.")
 _PER_EXPERT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _EXPERT_SHARD = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-# stacked: [E, 2 * I, H] gate rows then up rows, and [E, H, I] (GraniteMoe's names; transformers 5's own)
+# stacked: [E, 2 * I, H] gate rows then up rows, and [E, H, I] (GraniteMoe's names; transformers 5's own);
+# gate and up apart, [E, I, H] each (GGUF's ffn_gate_exps / ffn_up_exps)
 _STACKED = [
     (".mlp.input_linear.weight", ".mlp.experts", "gate_up"),
     (".mlp.output_linear.weight", ".mlp.experts", "down"),
     (".mlp.experts.gate_up_proj", ".mlp.experts", "gate_up"),
     (".mlp.experts.down_proj", ".mlp.experts", "down"),
+    (".mlp.experts.gate_proj", ".mlp.experts", "gate"),
+    (".mlp.experts.up_proj", ".mlp.experts", "up"),
 ]
 
 
