@@ -1,7 +1,7 @@
 """The mixture-of-experts block: a router that picks k experts per token, the experts, and (Qwen2-MoE)
 a shared expert every token goes through, scaled by a sigmoid gate.
 
-    routing = router(x)                                   # ids [T, k] int64, weights [T, k] float32
+    routing = router.route(x)                             # ids [T, k] int64, weights [T, k] float32
     out = experts(x, routing.ids, routing.weights)        # sum over the k experts of weight * expert(x)
     out += sigmoid(shared_expert_gate(x)) * shared_expert(x)
 
@@ -24,7 +24,7 @@ from torch import nn
 
 from tokenmill.distributed.communication import all_reduce_
 from tokenmill.distributed.parallel_state import tp_rank, tp_world_size
-from tokenmill.models.layers.linear import MergedLinear, RowParallelLinear, default_weight_loader, divide
+from tokenmill.models.layers.linear import MergedLinear, RowParallelLinear, divide
 
 
 class Routing(NamedTuple):
@@ -41,9 +41,6 @@ class ReplicatedGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None) -> None:
-        default_weight_loader(param, loaded, shard_id)
 
 
 class TopKRouter(ReplicatedGate):
@@ -163,12 +160,10 @@ class FusedExperts(nn.Module):
         if shard_id == "down":
             _copy(target, loaded.narrow(2, start, i_local))
             return
-        full = loaded.shape[1] // 2 if shard_id == "gate_up" else loaded.shape[1]
-        pieces = ["gate", "up"] if shard_id == "gate_up" else [shard_id]
-        for piece in pieces:
-            source_row = (full if piece == "up" and shard_id == "gate_up" else 0) + start
-            target_row = i_local if piece == "up" else 0
-            _copy(target.narrow(1, target_row, i_local), loaded.narrow(1, source_row, i_local))
+        # (where the piece starts in `loaded`, where it goes in w13): gate rows first, then up rows
+        pieces = {"gate": [(0, 0)], "up": [(0, i_local)], "gate_up": [(0, 0), (loaded.shape[1] // 2, i_local)]}
+        for source_row, target_row in pieces[shard_id]:
+            _copy(target.narrow(1, target_row, i_local), loaded.narrow(1, source_row + start, i_local))
 
 
 def _native_grouped_gemm(x: torch.Tensor) -> bool:
