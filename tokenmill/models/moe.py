@@ -50,46 +50,54 @@ class MoeSpec:
         model_type = getattr(hf_config, "model_type", "")
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise ValueError(f"tokenmill's experts are SiLU-gated; this config asks for {hf_config.hidden_act!r}")
-        layers = range(hf_config.num_hidden_layers)
         if model_type in ("qwen2_moe", "qwen3_moe"):
-            step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
-            dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
-            num_experts = int(hf_config.num_experts)
-            return MoeSpec(
-                num_experts=num_experts,
-                top_k=int(hf_config.num_experts_per_tok),
-                expert_intermediate_size=int(hf_config.moe_intermediate_size),
-                shared_intermediate_size=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
-                if model_type == "qwen2_moe"
-                else 0,
-                scoring="softmax_topk",
-                renormalize=bool(hf_config.norm_topk_prob),
-                round_weights=True,
-                qk_norm=model_type == "qwen3_moe",
-                qkv_bias=bool(getattr(hf_config, "qkv_bias", False) or getattr(hf_config, "attention_bias", False)),
-                sparse_layers=frozenset(
-                    i for i in layers if i not in dense and num_experts > 0 and (i + 1) % step == 0
-                ),
-            )
+            return _qwen_moe_spec(hf_config, model_type)
         if model_type in ("mixtral", "granitemoe"):
-            granite = model_type == "granitemoe"
-            return MoeSpec(
-                num_experts=int(hf_config.num_local_experts),
-                top_k=int(hf_config.num_experts_per_tok),
-                expert_intermediate_size=int(hf_config.intermediate_size),
-                shared_intermediate_size=0,
-                scoring="topk_softmax" if granite else "softmax_topk",
-                renormalize=True,
-                round_weights=granite,
-                qk_norm=False,
-                qkv_bias=bool(getattr(hf_config, "attention_bias", False)),
-                sparse_layers=frozenset(layers),
-                embedding_multiplier=float(getattr(hf_config, "embedding_multiplier", 1.0)) if granite else 1.0,
-                attention_multiplier=float(hf_config.attention_multiplier) if granite else None,
-                residual_multiplier=float(getattr(hf_config, "residual_multiplier", 1.0)) if granite else 1.0,
-                logits_scaling=float(getattr(hf_config, "logits_scaling", 1.0)) if granite else 1.0,
-            )
+            return _mixtral_or_granite_spec(hf_config, granite=model_type == "granitemoe")
         raise ValueError(f"MoeForCausalLM does not serve model_type {model_type!r}")
+
+
+def _qwen_moe_spec(hf_config: Any, model_type: str) -> MoeSpec:
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    num_experts = int(hf_config.num_experts)
+    shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0) if model_type == "qwen2_moe" else 0
+    return MoeSpec(
+        num_experts=num_experts,
+        top_k=int(hf_config.num_experts_per_tok),
+        expert_intermediate_size=int(hf_config.moe_intermediate_size),
+        shared_intermediate_size=shared,
+        scoring="softmax_topk",
+        renormalize=bool(hf_config.norm_topk_prob),
+        round_weights=True,
+        qk_norm=model_type == "qwen3_moe",
+        qkv_bias=bool(getattr(hf_config, "qkv_bias", False) or getattr(hf_config, "attention_bias", False)),
+        sparse_layers=frozenset(
+            i for i in range(hf_config.num_hidden_layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0
+        ),
+    )
+
+
+def _mixtral_or_granite_spec(hf_config: Any, granite: bool) -> MoeSpec:
+    def multiplier(name: str) -> float:  # GraniteMoe's; 1 for Mixtral
+        return float(getattr(hf_config, name, 1.0)) if granite else 1.0
+
+    return MoeSpec(
+        num_experts=int(hf_config.num_local_experts),
+        top_k=int(hf_config.num_experts_per_tok),
+        expert_intermediate_size=int(hf_config.intermediate_size),
+        shared_intermediate_size=0,
+        scoring="topk_softmax" if granite else "softmax_topk",
+        renormalize=True,
+        round_weights=granite,
+        qk_norm=False,
+        qkv_bias=bool(getattr(hf_config, "attention_bias", False)),
+        sparse_layers=frozenset(range(hf_config.num_hidden_layers)),
+        embedding_multiplier=multiplier("embedding_multiplier"),
+        attention_multiplier=multiplier("attention_multiplier") if granite else None,
+        residual_multiplier=multiplier("residual_multiplier"),
+        logits_scaling=multiplier("logits_scaling"),
+    )
 
 
 def _check_full_attention(hf_config: Any, max_position: int) -> None:
