@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from tests.tiny_models import hf_model, make_tiny_model, make_tiny_tokenizer, random_prompts
+from tests.tiny_models import FAMILIES, TINY, hf_model, make_tiny_model, make_tiny_tokenizer, random_prompts
 from tokenmill import LLM, SamplingParams, StructuredOutputsParams
 from tokenmill.models.layers import moe as moe_layers
 from tokenmill.models.layers.moe import FusedExperts, SparseMoeBlock
 from tokenmill.models.llama import MLP
-from tokenmill.models.moe import MoeForCausalLM
+from tokenmill.models.moe import MoeForCausalLM, MoeSpec
 
 MOE_FAMILIES = ["qwen2-moe", "qwen3-moe", "mixtral", "granitemoe"]
 
@@ -84,6 +84,18 @@ def test_sparse_block_equals_hf_with_checkpoint_experts(moe_pair: tuple[Any, Any
         assert kinds == [SparseMoeBlock, MLP] and ours.layers[0].mlp.shared_expert is not None
     else:
         assert kinds == [SparseMoeBlock, SparseMoeBlock]
+
+
+@pytest.mark.parametrize(("step", "mlp_only"), [(1, [1]), (2, []), (2, [3])])
+def test_the_sparse_layers_are_hfs(step: int, mlp_only: list[int]) -> None:
+    """decoder_sparse_step and mlp_only_layers pick the MoE layers (the rest are dense) as in HF."""
+    from transformers import AutoModelForCausalLM
+
+    spec = TINY | FAMILIES["qwen2-moe"] | dict(num_hidden_layers=4, decoder_sparse_step=step, mlp_only_layers=mlp_only)
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    hf = AutoModelForCausalLM.from_config(config)
+    want = {i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")}
+    assert MoeSpec.of(config).sparse_layers == want and 0 < len(want) < 4
 
 
 def restack_experts(folder: Path, dest: Path, gate_up_together: bool) -> Path:
