@@ -8,10 +8,12 @@ Every source and header lives in tokenmill/ops/csrc/; each extension is one .cpp
     decode_stack: every decoder layer of a decode step in one call (pybind module, `load`)
     packed_gemm:  the GEMM over packed int8 / bf16 / grouped weights, registered as torch.ops.tokenmill_quant.*
                   (no pybind11, `load_ops`)
+    moe:          every expert of a mixture-of-experts layer in one call, torch.ops.tokenmill_moe.experts
+                  (`load_ops`)
 
 The kernels themselves are headers (ops/csrc/*.h), shared by these modules.
 
-`python -m tokenmill.ops.build` builds all four for TOKENMILL_CPU_ISA ahead of time (scripts/test.sh runs
+`python -m tokenmill.ops.build` builds all five for TOKENMILL_CPU_ISA ahead of time (scripts/test.sh runs
 the native and the AVX2 builds side by side while the linters run: each module is one translation unit, so
 a build keeps one core busy).
 
@@ -35,8 +37,8 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = {name: CSRC / f"{name}.cpp" for name in ("paged_decode", "cpu_ops", "decode_stack", "packed_gemm")}
-TORCH_OP_LIBRARIES = ("packed_gemm",)  # loaded with load_ops; the others are pybind modules (load)
+SOURCES = {name: CSRC / f"{name}.cpp" for name in ("paged_decode", "cpu_ops", "decode_stack", "packed_gemm", "moe")}
+TORCH_OP_LIBRARIES = ("packed_gemm", "moe")  # loaded with load_ops; the others are pybind modules (load)
 HEADERS = CSRC
 ISA_ENV = "TOKENMILL_CPU_ISA"
 # TOKENMILL_CPU_ISA value -> the -march flag. x86-64-v3: AVX2, FMA, F16C, BMI2 (Haswell and later).

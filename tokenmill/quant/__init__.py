@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tokenmill.quant.bf16 import Bf16Linear, Fp32Linear, PackedFloatLinear
+from tokenmill.quant.experts import PackedExperts
 from tokenmill.quant.grouped import GroupedLinear, GroupedWeight, dequantize_grouped
 from tokenmill.quant.int4 import DEFAULT_GROUP_SIZE, Int4Linear, check_group_size
 from tokenmill.quant.int8 import Int8Linear
@@ -164,6 +165,7 @@ __all__ = [
     "GroupedWeight",
     "Int4Linear",
     "Int8Linear",
+    "PackedExperts",
     "QuantOptions",
     "check_quantization",
     "dequantize_grouped",

@@ -1,5 +1,5 @@
 """Build the model on the meta device, fill it with its weights, then swap in the packed or quantized
-linear layers the CPU kernels run."""
+linear layers (and mixture-of-experts experts) the CPU kernels run."""
 
 from __future__ import annotations
 
@@ -12,15 +12,19 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import ModelConfig
+from tokenmill.distributed.parallel_state import tp_world_size
 from tokenmill.loader import hf
 from tokenmill.loader.dummy import init_dummy_weights
 from tokenmill.loader.gguf_weights import GGUFWeights
 from tokenmill.models.architectures import model_class
+from tokenmill.models.layers.moe import FusedExperts
 from tokenmill.models.layers.rotary import RotaryEmbedding
 from tokenmill.ops import hugepages, packed_gemm
+from tokenmill.ops import moe as moe_ops
 from tokenmill.quant import (
     GroupedLinear,
     Int8Linear,
+    PackedExperts,
     PackedFloatLinear,
     QuantOptions,
     pack_bf16_weights,
@@ -67,8 +71,35 @@ def load_model(config: ModelConfig, folder: Path | None, backend: AttentionBacke
         if packed_gemm.isa() == "avx2":  # a decode batch at the FMA peak (see Fp32Linear); the same arithmetic
             pack_fp32_weights(model)
     if device == "cpu":
+        pack_experts(model, config)
         place_packed_weights(model)
     return model.eval()
+
+
+def pack_experts(model: nn.Module, config: ModelConfig) -> None:
+    """Swap every FusedExperts for PackedExperts, in the precision the linear layers took (int8 / int4
+    under those quantizations, else bf16 for bf16 weights, else float32): every expert of a layer in
+    one C++ call. Where the op cannot be built the FusedExperts' torch forward stays."""
+    targets = [(path, m) for path, m in model.named_modules() if isinstance(m, FusedExperts)]
+    if not targets or not moe_ops.available():
+        return
+    if config.quantization in ("int8", "int4"):
+        kind = config.quantization
+    elif "bfloat16" in (config.weight_dtype, config.dtype):
+        kind = "bfloat16"
+    else:
+        kind = "float32"
+    for path, experts in targets:
+        parent_path, _, child = path.rpartition(".")
+        packed = PackedExperts.from_weights(
+            experts.w13,
+            experts.w2,
+            kind,
+            group_size=config.quantization_group_size,
+            zero_point=config.quantization_zero_point,
+            row_parallel=tp_world_size() > 1,
+        )
+        setattr(model.get_submodule(parent_path) if parent_path else model, child, packed)
 
 
 def materialize(model: nn.Module, device: str) -> None:
@@ -86,7 +117,7 @@ def place_packed_weights(model: nn.Module) -> None:
     owners = [
         (module, name)
         for module in model.modules()
-        if isinstance(module, (PackedFloatLinear, Int8Linear, GroupedLinear))
+        if isinstance(module, (PackedFloatLinear, Int8Linear, GroupedLinear, PackedExperts))
         for name, buffer in module.named_buffers(recurse=False)
         if buffer.device.type == "cpu"
     ]
