@@ -63,6 +63,28 @@ FAMILIES: dict[str, dict[str, Any]] = {
         residual_multiplier=0.5,
         logits_scaling=2.0,
     ),
+    # Sliding-window layers (window 24: over several 16-token blocks), soft-capping, (1 + w) norms.
+    "gemma2": dict(  # local, global; both soft-caps
+        model_type="gemma2",
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=24,
+        attn_logit_softcapping=4.0,
+        final_logit_softcapping=8.0,
+        tie_word_embeddings=False,  # tied, the scaled embedding dominates: a tiny model repeats its input
+    ),
+    "gemma3": dict(  # q/k norms, local and global rope bases, linear scaling on the global one
+        model_type="gemma3_text",
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=24,
+        layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=False,  # tied, the scaled embedding dominates: a tiny model repeats its input
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+        },
+    ),
 }
 
 

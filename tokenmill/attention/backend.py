@@ -24,7 +24,13 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         """Write this step's k/v into the paged cache, then attend causally over each request's
-        context (cached prefix + new tokens). Returns [num_tokens, Hq, D]."""
+        context (cached prefix + new tokens). Returns [num_tokens, Hq, D].
+
+        sliding_window: query position p sees only keys j with p - sliding_window < j <= p (HF's rule).
+        logit_softcap: scores become cap * tanh(score / cap) before the softmax."""
         ...

@@ -7,7 +7,8 @@ our C++ write_kv writes. Otherwise the rows of requests with short queries (deco
 decoding's verification steps: up to SHORT_QUERY_LEN tokens) go to the C++ paged-decode kernel (float32
 or bf16 cache) as one row per token, in one call, or where it cannot be built (or off CPU) to one SDPA
 call over gathered, padded contexts; longer prompt chunks run one request at a time through SDPA, with
-the plain causal kernel when there is no cached prefix."""
+the plain causal kernel when there is no cached prefix. Sliding-window and soft-capped layers (Gemma) take
+the PyTorch path of attention/windowed.py over a plain-layout cache."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.pair_layout import cache_row_width
 from tokenmill.attention.torch_ref import gather_context, write_kv
+from tokenmill.attention.windowed import windowed_attention
 from tokenmill.ops import build
 
 # Requests with up to this many query tokens attend as rows of one paged-decode call (TokenRows): a
@@ -85,7 +87,19 @@ class SDPABackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
+        if sliding_window is not None or logit_softcap is not None:
+            # The kernels do neither: such a layer's cache holds the plain layout, written and read in PyTorch.
+            if kv_cache.dtype == torch.int8:
+                raise ValueError(
+                    "kv_cache_dtype 'int8' does not serve sliding-window or soft-capped attention layers "
+                    "(Gemma); use a bfloat16 or float32 KV cache."
+                )
+            write_kv(k, v, kv_cache, meta.slot_mapping)
+            return windowed_attention(q, kv_cache, meta, scale, sliding_window, logit_softcap)
         if self._kernels is not None and self._kernels.avx512_supports(kv_cache):
             self._kernels.write_kv(k, v, kv_cache, meta.slot_mapping)
             return self._kernels.paged_attention(  # q, k, v: views of the QKV output, read in place

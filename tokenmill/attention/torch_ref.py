@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.windowed import masked_scores
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -38,6 +39,9 @@ class TorchRefBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
@@ -50,10 +54,9 @@ class TorchRefBackend:
             ctx_v = ctx_v.repeat_interleave(group, dim=1).float()
             qi = q[start:end].float()  # [q_len, Hq, D]
             scores = torch.einsum("qhd,khd->hqk", qi, ctx_k) * scale  # [Hq, q_len, seq_len]
-            # Query j sits at position seq_len - q_len + j and sees keys up to it.
-            q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device).unsqueeze(1)
-            k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-            probs = scores.softmax(dim=-1)
+            # Query j sits at position seq_len - q_len + j and sees keys up to it (and within the window).
+            q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+            k_pos = torch.arange(seq_len, device=q.device)
+            probs = masked_scores(scores, q_pos, k_pos, sliding_window, logit_softcap).softmax(dim=-1)
             out[start:end] = torch.einsum("hqk,khd->qhd", probs, ctx_v).to(q.dtype)
         return out

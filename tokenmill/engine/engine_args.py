@@ -26,6 +26,9 @@ from tokenmill.settings import add_config_flag, add_flags, add_help_group_flag, 
 
 logger = logging.getLogger(__name__)
 
+# Model types whose models implement their sliding window (models/gemma.py).
+WINDOWED_MODEL_TYPES = frozenset({"gemma2", "gemma3_text"})
+
 
 def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
     """The frozen config and the resolved model source (folder, tokenizer, eos ids)."""
@@ -36,9 +39,9 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
     hf_config = source.hf_config
     dtype, weight_dtype = resolve_precision(args.dtype, args.device, checkpoint_dtype(hf_config))
     model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
-    # Sliding-window attention is not implemented: stay within the window, where it is exact.
+    # Families without sliding-window attention (all but Gemma's) stay within the window, where they are exact.
     window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
+    if window and getattr(hf_config, "use_sliding_window", True) and hf_config.model_type not in WINDOWED_MODEL_TYPES:
         model_max = min(model_max, int(window))
     max_model_len = min(args.max_model_len or model_max, model_max)
     model = ModelConfig(

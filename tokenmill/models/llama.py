@@ -39,12 +39,28 @@ def head_dim_of(hf_config: Any) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, hf_config: Any, qk_norm: bool, qkv_bias: bool) -> None:
+    """scale: of the scores (default head_dim ** -0.5). sliding_window / logit_softcap: see
+    AttentionBackend.forward; a window layer reads its KV layer group's block tables (kv_group, set by
+    the model: 0 is the full-attention group, see scheduling/kv_groups.py)."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        qk_norm: bool,
+        qkv_bias: bool,
+        *,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> None:
         super().__init__()
         num_heads = hf_config.num_attention_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         self.head_dim = head_dim_of(hf_config)
-        self.scale = self.head_dim**-0.5
+        self.scale = scale if scale is not None else self.head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
+        self.kv_group = 0
         self.qkv_proj = QKVLinear(hf_config.hidden_size, self.head_dim, num_heads, num_kv_heads, bias=qkv_bias)
         self.num_heads = self.qkv_proj.num_heads  # this rank's
         self.num_kv_heads = self.qkv_proj.num_kv_heads
@@ -74,7 +90,18 @@ class Attention(nn.Module):
         q, k = apply_rotary(rotary, q, k)
         if self.kv_cache is None:
             raise RuntimeError("the KV cache was not bound to this attention layer")
-        out = backend.forward(q, k, v, self.kv_cache, meta, self.scale)  # [num_tokens, Hq, D]
+        if self.kv_group:
+            meta = meta.group_metadata[self.kv_group - 1]
+        out = backend.forward(  # [num_tokens, Hq, D]
+            q,
+            k,
+            v,
+            self.kv_cache,
+            meta,
+            self.scale,
+            sliding_window=self.sliding_window,
+            logit_softcap=self.logit_softcap,
+        )
         out = self.o_proj(out.reshape(n, self.num_heads * self.head_dim))  # [num_tokens, hidden], partial
         return all_reduce_(out) if self.tensor_parallel else out
 

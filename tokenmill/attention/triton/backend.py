@@ -8,7 +8,10 @@ Per layer and step: one kernel writes the step's k/v into the paged cache, then 
 CUDA-graph safety of the decode path: it reads only device tensors and two host numbers,
 q.shape[0] and meta.max_seq_len (for the split count). A graph runner captures with
 max_seq_len = max_model_len, which fixes the split count per batch bucket; each request's split
-lengths then follow its live seq_len on the device, so a replay is right at any length."""
+lengths then follow its live seq_len on the device, so a replay is right at any length.
+
+Sliding-window and soft-capped layers (Gemma) take the PyTorch path of attention/windowed.py (not
+graph-safe: the model runner runs such models eagerly)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from tokenmill.attention.triton.decode import DecodeTiles, choose_num_splits, de
 from tokenmill.attention.triton.kv_write import write_kv
 from tokenmill.attention.triton.prefill import PrefillTiles, prefill_attention
 from tokenmill.attention.triton.util import num_sms
+from tokenmill.attention.windowed import windowed_attention
 
 
 class TritonBackend:
@@ -46,8 +50,13 @@ class TritonBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping)
+        if sliding_window is not None or logit_softcap is not None:  # the kernels do neither
+            return windowed_attention(q, kv_cache, meta, scale, sliding_window, logit_softcap)
         out = torch.empty_like(q)  # [num_tokens, Hq, D]
         if meta.is_all_decode:
             num_seqs = q.shape[0]
