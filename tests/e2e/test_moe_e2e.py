@@ -199,11 +199,11 @@ def test_a_tensor_parallel_rank_loads_its_slice_of_per_expert_and_stacked_tensor
         per_expert.weight_loader(per_expert.w2, down[0], "down", 3)
 
 
-def test_int8_greedy_agreement_is_that_of_the_dense_families(tmp_path: Path) -> None:
-    """Teacher-forced greedy tokens (one difference cannot snowball) of int8 weights against float32;
-    the router stays float32 under quantization. The tiny random models have near-ties that int8's
-    rounding flips: measured over 4 prompt sets, 90-93% for every MoE family and 92-93% for the dense
-    llama and qwen2 (the same measure)."""
+def test_int8_greedy_agreement_with_float32(tmp_path: Path) -> None:
+    """Teacher-forced greedy tokens (one difference cannot snowball) of int8 weights, the experts' too,
+    against float32; the router stays float32. The tiny random models have near-ties that int8's rounding
+    flips: measured over 4 prompt sets, 88-94% for the four MoE families and 92-93% for the dense llama
+    and qwen2 (the same measure); 88.3% on this set."""
     folder = make_tiny_model(tmp_path / "qwen2-moe", "qwen2-moe")
     prompts = random_prompts(24, 10, 40, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
@@ -220,7 +220,7 @@ def test_int8_greedy_agreement_is_that_of_the_dense_families(tmp_path: Path) -> 
     int8_llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, quantization="int8")
     int8 = top_tokens(int8_llm)
     assert len(int8) == len(fp32) == sum(len(p) - 1 for p in prompts)
-    assert sum(a == b for a, b in zip(int8, fp32)) / len(fp32) >= 0.87  # measured: 90.2%
+    assert sum(a == b for a, b in zip(int8, fp32)) / len(fp32) >= 0.85
     model: Any = int8_llm.engine.runner.model
     router = model.layers[0].mlp.gate
     assert router.weight.dtype == torch.float32
