@@ -25,5 +25,7 @@ def experts(
     s2: torch.Tensor,  # as s13, for w2
     intermediate: int,  # I, a multiple of 16
 ) -> torch.Tensor:
-    """sum over the k chosen experts of weight * down(silu(gate(x)) * up(x)): [T, H] float32."""
-    return torch.ops.tokenmill_moe.experts(x, topk_ids, topk_weights, w13, s13, w2, s2, intermediate)
+    """sum over the k chosen experts of weight * down(silu(gate(x)) * up(x)): [T, H] float32. int8 experts
+    take AMX tiles where the packed GEMM's do (packed_gemm.set_amx switches both)."""
+    amx = bool(torch.ops.tokenmill_quant.packed_gemm_amx())
+    return torch.ops.tokenmill_moe.experts(x, topk_ids, topk_weights, w13, s13, w2, s2, intermediate, amx)

@@ -34,7 +34,8 @@
 namespace tokenmill::moe {
 
 constexpr int64_t kPanel = 16;
-constexpr int64_t kAlign = 8;  // rows per bf16 activation tile (avx512::kRows)
+constexpr int64_t kTileRows = 16;  // rows of an AMX A tile
+constexpr int64_t kAlign = 8;      // rows per bf16 activation tile (avx512::kRows)
 
 // The (token, choice) rows grouped by expert.
 struct Rows {
@@ -126,15 +127,18 @@ template <typename W>
 class Stack {
  public:
   // packed [E, P, KP, width], scale [E, ...] (see the top of the file); y: [R, ldy] output rows.
+  // amx: int8 units of at least amx::q8::kRows rows on AMX tiles (the VNNI tiles' bits).
   Stack(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zeros, const Rows& r, float* y, int64_t N,
-        bool silu_mul)
-      : r_(r), P_(packed.size(1)), KP_(packed.size(2)) {
+        bool silu_mul, bool amx)
+      : r_(r), P_(packed.size(1)), KP_(packed.size(2)), amx_(amx) {
     const int64_t E = packed.size(0), R = r.total();
     if constexpr (std::is_same_v<W, uint16_t>) {
       tiles_ = av::buffer<uint32_t>(R * KP_ / 2);
     } else {
       const int64_t G = KP_ / av::kGroup;
-      q_ = av::Q8Rows{av::buffer<int8_t>(R * KP_), av::buffer<float>(R * G), av::buffer<int32_t>(R * G)};
+      // AMX A tiles read whole tiles of 16 rows: the last expert's may reach kTileRows past its rows
+      q_ = av::Q8Rows{av::buffer<int8_t>((R + 2 * kTileRows) * KP_), av::buffer<float>(R * G),
+                      av::buffer<int32_t>(R * G)};
     }
     const int64_t ldy = silu_mul ? N / 2 : N;
     const W* base = reinterpret_cast<const W*>(packed.data_ptr());
@@ -186,6 +190,17 @@ class Stack {
       const Unit& unit = units_[first + u];
       const bool ahead =
           own && first + u + 1 < last && units_[first + u + 1].e == unit.e && units_[first + u + 1].m0 == unit.m0;
+#ifdef TM_AMX
+      if constexpr (std::is_same_v<W, int8_t>) {
+        if (amx_ && unit.rows >= gemm::amx::q8::kRows) {
+          gemm::amx::q8::configure(std::min(unit.rows, kTileRows));
+          for (int64_t m = unit.m0; m < unit.m0 + unit.rows; m += gemm::amx::kUnitRows)
+            gemm::amx::q8::run_unit(problems_[unit.e], P_, m, std::min(gemm::amx::kUnitRows, unit.m0 + unit.rows - m),
+                                    unit.q);
+          return;
+        }
+      }
+#endif
       av::run_pair(av::rows_from(problems_[unit.e], unit.m0), unit.rows, P_, unit.q, ahead ? unit.q + 1 : -1);
     };
     for (int64_t u; (u = shares[t].take_front()) >= 0;) run_unit(t, u, true);
@@ -198,6 +213,7 @@ class Stack {
  private:
   const Rows& r_;
   int64_t P_, KP_;
+  bool amx_;
   av::Buffer<uint32_t> tiles_;
   av::Q8Rows q_;
   std::vector<av::Problem<W>> problems_;
@@ -221,15 +237,15 @@ inline bool fits(const at::Tensor& packed) {
 
 // x [T, H] -> out [T, H] (see the top of the file), I: the experts' intermediate size (padded: whole panels).
 inline void experts(const float* x, const Rows& r, const float* weights, int64_t T, int64_t k, int64_t H, int64_t I,
-                    const at::Tensor& w13, const at::Tensor& s13, const at::Tensor& w2, const at::Tensor& s2,
+                    const at::Tensor& w13, const at::Tensor& s13, const at::Tensor& w2, const at::Tensor& s2, bool amx,
                     float* out) {
   const int64_t R = r.total(), tiles = R / kAlign;
   std::vector<float> xg(R * H), h(R * I), d(R * H);
   const at::Tensor zeros = at::zeros({std::max(w13.size(1), w2.size(1)) * kPanel});
   with_weight_type(w13, [&](auto w13_type) {
     with_weight_type(w2, [&](auto w2_type) {
-      Stack<decltype(w13_type)> up(w13, s13, zeros, r, h.data(), 2 * I, true);
-      Stack<decltype(w2_type)> down(w2, s2, zeros, r, d.data(), H, false);
+      Stack<decltype(w13_type)> up(w13, s13, zeros, r, h.data(), 2 * I, true, amx);
+      Stack<decltype(w2_type)> down(w2, s2, zeros, r, d.data(), H, false, amx);
       std::vector<av::Share> shares(std::max<int64_t>(1, at::get_num_threads()));
       Team::run([&](Team& team, int64_t t) {
         const int64_t n = team.size();
@@ -361,9 +377,10 @@ inline void check_stack(const at::Tensor& packed, const at::Tensor& scale, int64
 
 // x [T, H] float32, topk_ids [T, k] int64, topk_weights [T, k] float32, w13 [E, P13, KP, width] with
 // P13 = 2 I / 16 ([gate | up] halves of whole panels), w2 [E, P2, KP2, width] -> [T, H] float32.
+// amx: int8 experts may run on AMX tiles (where this library's are on): the packed GEMM's switch, passed in.
 inline at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                               const at::Tensor& w13, const at::Tensor& s13, const at::Tensor& w2, const at::Tensor& s2,
-                              int64_t I) {
+                              int64_t I, bool amx) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [T, H] float32");
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(
@@ -386,7 +403,8 @@ inline at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids, c
   const float* weights = topk_weights.data_ptr<float>();
 #ifdef TM_AVX512
   if (vnni::fits(w13) && vnni::fits(w2)) {
-    vnni::experts(x.data_ptr<float>(), r, weights, T, k, H, I, w13, s13, w2, s2, out.data_ptr<float>());
+    vnni::experts(x.data_ptr<float>(), r, weights, T, k, H, I, w13, s13, w2, s2, amx && gemm::amx_on(),
+                  out.data_ptr<float>());
     return out;
   }
 #endif
