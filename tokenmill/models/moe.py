@@ -114,9 +114,7 @@ class MoeDecoderLayer(nn.Module):
     def __init__(self, hf_config: Any, spec: MoeSpec, index: int) -> None:
         super().__init__()
         hidden = hf_config.hidden_size
-        self.self_attn = Attention(hf_config, spec.qk_norm, spec.qkv_bias)
-        if spec.attention_multiplier is not None:
-            self.self_attn.scale = spec.attention_multiplier
+        self.self_attn = Attention(hf_config, spec.qk_norm, spec.qkv_bias, scale=spec.attention_multiplier)
         self.mlp: nn.Module
         if index in spec.sparse_layers:
             router = TopKRouter(
