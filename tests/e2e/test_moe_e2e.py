@@ -1,9 +1,10 @@
 """Mixture-of-experts specifics (models/moe.py, models/layers/moe.py) against HF transformers on the tiny
-MoE families: the router's experts and weights, the whole sparse block (shared expert included), the
-experts loaded from the names transformers writes, the grouped FusedExperts forward against a
-per-expert loop, tensor-parallel slices of the expert weights, and int8 greedy agreement. Greedy
-equality with HF under chunked prefill, preemption and prefix hits: test_hf_equivalence.py, which runs
-on every family of tests/tiny_models.py."""
+MoE families: the router's experts and weights, each layer's sparse block (shared expert included) or
+dense MLP, the experts loaded from the names transformers writes (per expert or stacked), the grouped
+FusedExperts forward against a per-expert loop, tensor-parallel slices of the expert weights, int8
+greedy agreement, structured output with drafts, and the sliding-window guard. Greedy equality with HF
+under chunked prefill, preemption and prefix hits: test_hf_equivalence.py, which runs on every family
+of tests/tiny_models.py (TP=2 and speculative decoding: test_tensor_parallel.py, test_spec_decode_e2e.py)."""
 
 from __future__ import annotations
 
