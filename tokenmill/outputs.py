@@ -32,6 +32,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # KV layer groups 1, 2, ... (sliding-window layers: tokenmill/kv_groups.py): each one's block ids.
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -41,6 +43,7 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_group_block_ids: list[list[int]] = field(default_factory=list)  # KV layer groups 1, 2, ...
 
 
 @dataclass

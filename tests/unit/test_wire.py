@@ -205,8 +205,8 @@ def test_a_renamed_field_is_refused() -> None:
 
 # ---------------------------------------------------------------------- tensor-parallel ranks
 def test_a_step_command_keeps_every_field_and_the_batch_order() -> None:
-    new = NewRequestData("b", [1, 2], [3], PARAMS, [4, 5], 2)
-    cached = CachedRequestData("a", [6], 9)
+    new = NewRequestData("b", [1, 2], [3], PARAMS, [4, 5], 2, [[0, 8]])
+    cached = CachedRequestData("a", [6], 9, [[10]])
     sched = SchedulerOutput([new], [cached], {"b": 1, "a": 2}, 3, {"gone"}, {"a": [7]})
     for part in (new, cached, sched):
         _assert_every_field_set(part)

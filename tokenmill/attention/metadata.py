@@ -18,7 +18,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
-    # KV layer groups 1, 2, ... (sliding-window layers: scheduling/kv_groups.py): the same batch over each
+    # KV layer groups 1, 2, ... (sliding-window layers: tokenmill/kv_groups.py): the same batch over each
     # group's own block tables and slot mapping. Empty when the model has one group.
     group_metadata: list[AttentionMetadata] = field(default_factory=list)
 

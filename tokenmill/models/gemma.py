@@ -5,7 +5,7 @@ each, GeGLU (gelu, tanh approximation), embeddings scaled by sqrt(hidden_size) i
 scores scaled by query_pre_attn_scalar ** -0.5, local (sliding-window) and global layers by
 config.layer_types, tanh soft-capping of the attention scores and of the final logits (Gemma 2), q/k
 norms and separate rope bases for local and global layers (Gemma 3). Window layers form their own KV
-layer group (scheduling/kv_groups.py), which keeps only the blocks the window reaches."""
+layer group (tokenmill/kv_groups.py), which keeps only the blocks the window reaches."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ def head_dim_of(hf_config: Any) -> int:
 class Attention(nn.Module):
     """scale: of the scores (default head_dim ** -0.5). sliding_window / logit_softcap: see
     AttentionBackend.forward; a window layer reads its KV layer group's block tables (kv_group, set by
-    the model: 0 is the full-attention group, see scheduling/kv_groups.py)."""
+    the model: 0 is the full-attention group, see tokenmill/kv_groups.py)."""
 
     def __init__(
         self,

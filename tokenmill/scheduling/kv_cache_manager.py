@@ -1,11 +1,17 @@
-"""Maps requests to KV-cache blocks: prefix-cache lookups, allocation for each step, freeing."""
+"""Maps requests to KV-cache blocks: prefix-cache lookups, allocation for each step, freeing.
+
+The blocks of group 0 (the full-attention layers: every layer of most models) live here; a model with
+sliding-window layers adds a WindowGroup per window size (tokenmill/kv_groups.py, window_group.py),
+allocated in step with group 0: a step gets its blocks in every group or in none."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenmill.scheduling.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
 from tokenmill.scheduling.request import Request
+from tokenmill.scheduling.window_group import WindowGroup
 
 
 @dataclass
@@ -26,7 +32,14 @@ def salt_extra_key(cache_salt: str | None) -> bytes:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        window_groups: Sequence[tuple[int, int]] = (),
+    ) -> None:
+        """window_groups: (sliding window, num_blocks) of each KV layer group 1, 2, ... (none: one group)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}.")
         self.block_size = block_size
@@ -40,6 +53,9 @@ class KVCacheManager:
         # them again: at 256 running requests that rescan was the scheduler's largest cost).
         self.req_num_indexed: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        self.window_groups = [WindowGroup(n, block_size, w, enable_prefix_caching) for w, n in window_groups]
+        # Groups 1, 2, ...: the block ids that the last successful allocate_slots added to each.
+        self.new_group_block_ids: list[list[int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -47,6 +63,8 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
+        if self.window_groups:
+            return max(self.pool.usage, *(g.pool.usage for g in self.window_groups))
         return self.pool.usage
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -82,6 +100,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        for group in self.window_groups:  # the rule: window_group.py's docstring
+            hits = hits[: group.num_hit_blocks(hashes, len(hits))]
         return hits, len(hits) * self.block_size
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -106,7 +126,10 @@ class KVCacheManager:
         num_new_blocks = self.blocks_needed(total_tokens + num_lookahead_tokens) - len(blocks) - len(computed_blocks)
         # Cache hits sitting in the free queue are taken out of it, so they count against the budget.
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if max(num_new_blocks, 0) + num_evictable_hits > self.pool.num_free_blocks:
+        if max(num_new_blocks, 0) + num_evictable_hits > self.pool.num_free_blocks or (
+            self.window_groups
+            and not self._window_groups_fit(request, len(computed_blocks), total_tokens + num_lookahead_tokens)
+        ):
             if not blocks:
                 del self.req_blocks[request.req_id]
             return None
@@ -115,7 +138,31 @@ class KVCacheManager:
         blocks.extend(computed_blocks)
         blocks.extend(new_blocks)
         self._cache_full_blocks(request, blocks, total_tokens)
+        if self.window_groups:
+            self._allocate_window_groups(request, len(computed_blocks), total_tokens, num_lookahead_tokens)
         return [b.block_id for b in computed_blocks] + [b.block_id for b in new_blocks]
+
+    def _window_groups_fit(self, request: Request, num_hit_blocks: int, num_slots: int) -> bool:
+        hashes = self._block_hashes(request) if self.enable_prefix_caching else []
+        num_blocks = self.blocks_needed(num_slots)
+        return all(
+            g.fits(request.req_id, request.num_computed_tokens, num_hit_blocks, hashes, num_blocks)
+            for g in self.window_groups
+        )
+
+    def _allocate_window_groups(
+        self, request: Request, num_hit_blocks: int, num_tokens: int, num_lookahead_tokens: int
+    ) -> None:
+        hashes = self._block_hashes(request) if self.enable_prefix_caching else []
+        num_blocks = self.blocks_needed(num_tokens + num_lookahead_tokens)
+        new_ids = []
+        for group in self.window_groups:
+            new_ids.append(
+                group.allocate(request.req_id, request.num_computed_tokens, num_hit_blocks, hashes, num_blocks)
+            )
+            if self.enable_prefix_caching:
+                group.cache_full_blocks(request.req_id, hashes, num_tokens)
+        self.new_group_block_ids = new_ids
 
     def _cache_full_blocks(self, request: Request, blocks: list[Block], num_tokens: int) -> None:
         """Index the blocks that this step fills completely (their KV is written during the step)."""
@@ -135,6 +182,8 @@ class KVCacheManager:
         self.pool.free_blocks(list(reversed(blocks)))
         self.req_hashes.pop(request.req_id, None)
         self.req_num_indexed.pop(request.req_id, None)
+        for group in self.window_groups:
+            group.free(request.req_id)
 
     def get_block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req_id, [])]

@@ -219,7 +219,11 @@ class Scheduler:
             num_scheduled[request.req_id] = num_new
             if drafts:
                 spec_tokens[request.req_id] = drafts
-            cached_reqs.append(CachedRequestData(request.req_id, new_block_ids, request.num_computed_tokens))
+            cached_reqs.append(
+                CachedRequestData(
+                    request.req_id, new_block_ids, request.num_computed_tokens, self.kv_cache.new_group_block_ids
+                )
+            )
             budget -= num_new
             i += 1
         return budget, preempted
@@ -281,6 +285,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=new_block_ids,
                     num_computed_tokens=num_cached,
+                    group_block_ids=self.kv_cache.new_group_block_ids,
                 )
             )
             budget -= num_new

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -21,6 +21,8 @@ class RunnerRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # KV layer groups 1, 2, ... (sliding-window layers: tokenmill/kv_groups.py): each one's block ids.
+    group_block_ids: list[list[int]] = field(default_factory=list)
     generator: torch.Generator | None = None
     # A seeded request's generators for its draft positions (speculative decoding), made on first use.
     draft_generators: list[torch.Generator] = field(default_factory=list)
@@ -129,6 +131,8 @@ def _mixed_batch(
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
     )
+    if states[0].group_block_ids:
+        add_group_metadata(meta, states, positions, req_of_token, block_size, device)
     return StepBatch(
         req_ids=[s.req_id for s in states],
         input_ids=torch.from_numpy(input_ids).to(device),
@@ -161,6 +165,8 @@ def _decode_batch(states: list[RunnerRequestState], block_size: int, device: tor
         max_query_len=1,
         max_seq_len=max(seq_lens),
     )
+    if states[0].group_block_ids:
+        add_group_metadata(meta, states, np.asarray(positions, dtype=np.int64), np.arange(n), block_size, device)
     req_ids = [s.req_id for s in states]
     return StepBatch(
         req_ids=req_ids,
@@ -170,3 +176,27 @@ def _decode_batch(states: list[RunnerRequestState], block_size: int, device: tor
         sample_req_ids=req_ids,
         logits_indices=torch.arange(n, device=device),
     )
+
+
+def add_group_metadata(
+    meta: AttentionMetadata,
+    states: list[RunnerRequestState],
+    positions: np.ndarray,  # [num_tokens] int64
+    req_of_token: np.ndarray,  # [num_tokens]: each token's request (its row in states)
+    block_size: int,
+    device: torch.device,
+) -> None:
+    """The metadata of KV layer groups 1, 2, ...: this batch over each group's block tables and slots."""
+    for g in range(len(states[0].group_block_ids)):
+        tables = np.zeros((len(states), max(len(s.group_block_ids[g]) for s in states)), dtype=np.int32)
+        for i, state in enumerate(states):
+            tables[i, : len(state.group_block_ids[g])] = state.group_block_ids[g]
+        slots = tables[req_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        meta.group_metadata.append(
+            replace(
+                meta,
+                block_tables=torch.from_numpy(tables).to(device),
+                slot_mapping=torch.from_numpy(slots).to(device),
+                group_metadata=[],
+            )
+        )

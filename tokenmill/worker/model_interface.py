@@ -19,6 +19,9 @@ class PagedAttentionLayer(Protocol):
     num_kv_heads: int
     head_dim: int
     kv_cache: torch.Tensor | None  # [2, num_blocks, block_size, num_kv_heads, head_dim (+4 in int8)]
+    # Its KV layer group (tokenmill/kv_groups.py), set by the runner on sliding-window layers (attributes
+    # `sliding_window`, read where present); 0, the full-attention group, elsewhere.
+    kv_group: int
 
 
 class DecoderLayer(Protocol):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, cast
 
@@ -11,6 +12,7 @@ from torch import nn
 from tokenmill.attention.pair_layout import cache_row_width
 from tokenmill.attention.selector import get_backend
 from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.kv_groups import GroupLimits, KVGroupSpec
 from tokenmill.models.fused_decode import FusedDecode, unsupported_reason
 from tokenmill.models.llama import LlamaForCausalLM, head_dim_of
 from tokenmill.ops import hugepages
@@ -29,6 +31,8 @@ from tokenmill.worker.input_batch import RunnerRequestState, StepBatch, build_st
 from tokenmill.worker.model_interface import CausalLM
 from tokenmill.worker.model_loader import load_model
 from tokenmill.worker.spec_verify import accepted_tokens, verify_metadata
+
+logger = logging.getLogger(__name__)
 
 
 def kv_cache_bytes_per_block(config: EngineConfig, draft_hf_config: Any = None) -> int:
@@ -63,6 +67,7 @@ class ModelRunner:
         module = load_model(config.model, folder, self.backend, config.device)
         # An nn.Module; the runner reaches into it only through what CausalLM names.
         self.model = cast(CausalLM, module)
+        self.kv_groups = self._assign_kv_groups()
         if config.cache.kv_cache_dtype == "int8":
             self._check_int8_cache()
         # Decode steps run every layer in one C++ call where the model fits it (models/fused_decode.py).
@@ -99,6 +104,30 @@ class ModelRunner:
         draft_hf = self.draft_config.hf_config if self.draft_config is not None else None
         return kv_cache_bytes_per_block(self.config, draft_hf)
 
+    def _assign_kv_groups(self) -> KVGroupSpec:
+        """The KV layer groups of the model's layers (by their sliding windows); each window layer is told
+        its group, whose block tables it reads (tokenmill/kv_groups.py)."""
+        attns = [layer.self_attn for layer in self.model.layers]
+        spec = KVGroupSpec.of_layers([getattr(attn, "sliding_window", None) for attn in attns])
+        for attn, group in zip(attns, spec.layer_groups):
+            if group:
+                attn.kv_group = group
+        return spec
+
+    def kv_cache_bytes_per_group_block(self) -> list[int]:
+        """Bytes of one block of each KV layer group (the draft model's layers are in group 0)."""
+        target = _model_kv_bytes_per_block(self.config, self.config.model.hf_config)
+        counts = self.kv_groups.layer_counts()
+        per_group = [target * n // sum(counts) for n in counts]
+        per_group[0] += self.kv_cache_bytes_per_block() - target
+        return per_group
+
+    def group_pool_blocks(self, num_blocks: int) -> list[int]:
+        """Each KV layer group's blocks when group 0 has `num_blocks` (see KVGroupSpec.pool_blocks)."""
+        sched = self.config.scheduler
+        limits = GroupLimits(self.block_size, sched.max_num_seqs, sched.max_num_batched_tokens)
+        return self.kv_groups.pool_blocks(num_blocks, self.config.cache.num_kv_blocks is None, limits)
+
     def _check_int8_cache(self) -> None:
         """Only the AVX-512 BF16 attention kernel reads an int8 cache: refuse it up front elsewhere."""
         attn = self.model.layers[0].self_attn
@@ -129,10 +158,12 @@ class ModelRunner:
         self.kv_caches = []
         self.cuda_graphs = None  # captured graphs read the old cache in place
         draft_layers = self.draft.layers if self.draft is not None else []
-        for layer in [*self.model.layers, *draft_layers]:
+        pools = self.group_pool_blocks(num_blocks)
+        groups = [*self.kv_groups.layer_groups, *[0] * len(draft_layers)]
+        for layer, group in zip([*self.model.layers, *draft_layers], groups):
             attn = layer.self_attn
             width = cache_row_width(attn.head_dim, self.config.cache.kv_cache_dtype)
-            shape = (2, num_blocks, self.block_size, attn.num_kv_heads, width)
+            shape = (2, pools[group], self.block_size, attn.num_kv_heads, width)
             if self.device.type == "cpu":  # a step reads blocks anywhere in the pool: fewer TLB misses
                 cache = hugepages.zeros(shape, dtype)
             else:
@@ -145,6 +176,10 @@ class ModelRunner:
         graphs read it where it is now. A no-op off CUDA, with enforce_eager, or with an attention
         backend that cannot be graphed; every step then runs eagerly."""
         if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.supports_cuda_graphs:
+            return
+        attns = [layer.self_attn for layer in self.model.layers]
+        if any(getattr(a, "sliding_window", None) or getattr(a, "logit_softcap", None) for a in attns):
+            logger.info("no CUDA graphs: sliding-window and soft-capped attention run in PyTorch, eagerly")
             return
         if not self.kv_caches:
             raise RuntimeError("allocate the KV cache before capturing CUDA graphs: they read it in place")
@@ -180,6 +215,7 @@ class ModelRunner:
                 sampling_params=params,
                 block_ids=[0] * -(-n // self.block_size),
                 num_computed_tokens=0,
+                group_block_ids=[[0] * -(-n // self.block_size)] * (self.kv_groups.num_groups - 1),
             )
             for i, n in enumerate(lens)
         ]
@@ -221,11 +257,14 @@ class ModelRunner:
                 sampling_params=params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                group_block_ids=[list(ids) for ids in new.group_block_ids],
                 generator=torch.Generator(self.device) if params.seed is not None else None,
             )
         for cached in sched.cached_requests:
             state = self.states[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
+            for ids, new_ids in zip(state.group_block_ids, cached.new_group_block_ids):
+                ids.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
         return [self.states[req_id] for req_id in sched.num_scheduled_tokens]
 
