@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -29,42 +27,38 @@ RESULTS = REPO / "bench" / "results" / "xeon-amx"
 PRESET = "granite-3.1-1b-a400m"
 DTYPES = {"int8": "int8 (Q8_0 for llama.cpp)", "q4_0": "4-bit: int4 groups of 32 (Q4_0 for llama.cpp)"}
 BATCHES = {"batch1": (4, 1), "32-requests": (32, 32)}  # name -> (requests, concurrent sequences)
-TOKENMILL = [sys.executable, "-c", "import sys; from tokenmill.cli import main; sys.argv[0] = 'tokenmill'; main()"]
+# llama.cpp's AMX weight buffers crash llama_decode on any batch of more than one token on this machine
+# (ggml_backend_amx_mul_mat, SmolLM2 too), so it runs as with --no-repack: its AVX-512 VNNI kernels.
+LLAMACPP_OPTIONS = {"extra_bufts": False}
 
 
 def compare(dtype: str, requests: int, seqs: int, output_len: int, repeat: int, path: Path) -> dict[str, object]:
-    args = [
-        "bench",
-        "compare",
-        "--model",
-        PRESET,
-        "--peers",
-        "llamacpp",
-        "--dtype",
-        dtype,
-        "--workload",
-        "fixed-128-1024",
-        "--max-output-len",
-        str(output_len),
-        "--num-prompts",
-        str(requests),
-        "--max-num-seqs",
-        str(seqs),
-        "--repeat",
-        str(repeat),
-        "--output-json",
-        str(path),
-    ]
-    proc = subprocess.run([*TOKENMILL, *args], cwd=REPO, capture_output=True, text=True, check=False)
-    print(proc.stdout[-2500:], flush=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"tokenmill {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
-    report = json.loads(path.read_text())
-    engines = {e["engine"]: e for e in report["engines"]}
+    """One `bench compare` case (as `tokenmill bench compare --model PRESET --peers llamacpp --workload
+    fixed-128-1024 ...` runs it), llama.cpp without its extra buffer types (see LLAMACPP_OPTIONS)."""
+    from tokenmill.bench.compare import CompareOptions, format_table, run_compare
+    from tokenmill.bench.report import machine_info
+
+    opts = CompareOptions(
+        workload="fixed-128-1024",
+        peers=["llamacpp"],
+        model=PRESET,
+        dtype=dtype,
+        num_prompts=requests,
+        max_output_len=output_len,
+        repeat=repeat,
+        max_num_seqs=seqs,
+        engine_options={"llamacpp": LLAMACPP_OPTIONS},
+    )
+    report = run_compare(opts)
+    print(format_table(report), flush=True)
+    data = {"machine": machine_info(), **report.to_dict()}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    engines = {e["engine"]: e for e in data["engines"]}
     ours, peer = engines["tokenmill"], engines.get("llamacpp", {})
     ours_tok_s, peer_tok_s = ours.get("output_tok_s"), peer.get("output_tok_s")
     return {
-        "command": "tokenmill " + " ".join(args),
+        "requests": requests,
+        "concurrent": seqs,
         "tokenmill_output_tok_s": ours_tok_s,
         "llamacpp_output_tok_s": peer_tok_s,
         "llamacpp_status": peer.get("status"),

@@ -5,7 +5,9 @@ llama.cpp is not held to batch 1. Run with the llamacpp peer's Python on a GGUF 
 weights (`request.weights`: f32 for float32, bf16 for bfloat16, q8_0 for int8, q4_0 and q4_1 as named).
 
 Options: max_num_seqs (default 64), n_batch (2048), n_ubatch (512), kv_type ("f32" | "f16" | "bf16";
-default f32 for float32 weights, llama.cpp's own default f16 otherwise), flash_attn (-1 auto, 0 off, 1 on).
+default f32 for float32 weights, llama.cpp's own default f16 otherwise), flash_attn (-1 auto, 0 off, 1 on),
+extra_bufts (default true; false: weights in plain CPU buffers, no AMX or repacked layouts, as llama.cpp's
+--no-repack: its AMX buffers crash llama_decode on batches of more than one token on some AMX machines).
 """
 
 from __future__ import annotations
@@ -62,12 +64,15 @@ class BatchedLlama:
         flash_attn: int,
         temperature: float,
         seed: int,
+        extra_bufts: bool = True,
     ) -> None:
         self.lib = lib
         lib.llama_backend_init()
         self._log_cb = lib.llama_log_callback(lambda level, text, data: None)  # keep a reference
         lib.llama_log_set(self._log_cb, ctypes.c_void_p(0))
-        self.model = lib.llama_model_load_from_file(path.encode(), lib.llama_model_default_params())
+        model_params = lib.llama_model_default_params()
+        model_params.use_extra_bufts = extra_bufts
+        self.model = lib.llama_model_load_from_file(path.encode(), model_params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
         params = lib.llama_context_default_params()
@@ -157,6 +162,7 @@ def drive(request: PeerRequest) -> PeerResult:
     n_batch, n_ubatch = int(opts.get("n_batch", 2048)), int(opts.get("n_ubatch", 512))
     temperature = temperatures.pop() if temperatures else 0.0
     kv_type, flash_attn = GGML_TYPES[kv_name], int(opts.get("flash_attn", -1))
+    extra_bufts = bool(opts.get("extra_bufts", True))
     gguf = request.weights
 
     def load() -> LoadedEngine:
@@ -172,6 +178,7 @@ def drive(request: PeerRequest) -> PeerResult:
             flash_attn,
             temperature,
             request.seed,
+            extra_bufts,
         )
         return LoadedEngine(
             version=llama_cpp.__version__,
@@ -184,6 +191,7 @@ def drive(request: PeerRequest) -> PeerResult:
                 "n_batch": n_batch,
                 "n_ubatch": n_ubatch,
                 "kv_type": kv_name,
+                "extra_bufts": extra_bufts,
                 "threads": request.threads,
             },
             notes=["continuous batching in the driver over llama_decode with one sequence id per request"],
