@@ -51,14 +51,15 @@ def _assert_logprobs_close(a: list[RequestOutput], b: list[RequestOutput]) -> No
                 assert pos_x[token].logprob == pytest.approx(pos_y[token].logprob, abs=1e-4)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen2-moe"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen2-moe", "gemma2"])
 def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp(f"tp-{request.param}"), request.param)
 
 
 def test_tp2_greedy_tokens_and_logprobs_equal_tp1_with_chunked_prefill_and_preemption(family_model: Path) -> None:
     # Llama and Qwen2 decode through the fused C++ stack (per shard, all-reduces called back), Qwen3
-    # (q/k norm) layer by layer; Qwen2-MoE too, its experts and shared expert split over the ranks.
+    # (q/k norm) layer by layer; Qwen2-MoE too, its experts and shared expert split over the ranks; Gemma 2
+    # too, its window layers in their own KV group and its logits soft-capped after the gather.
     one, _ = _generate(family_model, **TIGHT)
     two, preemptions = _generate(family_model, tensor_parallel_size=2, **TIGHT)
     assert preemptions > 0  # the tight cache really preempted (and recomputed) requests

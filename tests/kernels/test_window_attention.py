@@ -89,19 +89,53 @@ def test_backends_match_the_reference(
     assert (got.float() - expected.float()).abs().max().item() < tol
 
 
-def test_a_window_layer_never_reads_blocks_behind_its_window() -> None:
+def decode_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Four requests decoding one token each, at context lengths inside, at and past the window."""
+    gen = torch.Generator().manual_seed(1)
+    seq_lens = [5, WINDOW, 40, 131]
+    num_blocks = 64
+    tables = torch.randperm(num_blocks, generator=gen)[:40].view(4, 10).to(torch.int32)
+    slots = [int(tables[i, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK for i, n in enumerate(seq_lens)]
+    cache = torch.randn(2, num_blocks, BLOCK, HKV, D, generator=gen)
+    q = torch.randn(4, HQ, D, generator=gen)
+    k, v = torch.randn(2, 4, HKV, D, generator=gen)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(5, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots),
+        query_start_loc_cpu=list(range(5)),
+        seq_lens_cpu=seq_lens,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+    )
+    return q, k, v, cache, meta
+
+
+@pytest.mark.parametrize("window,softcap", [(WINDOW, None), (None, SOFTCAP), (WINDOW, SOFTCAP)])
+def test_a_decode_step_matches_the_reference(window: int | None, softcap: float | None) -> None:
+    q, k, v, cache, meta = decode_batch()
+    expected = get_backend("torch_ref", CPU).forward(
+        q, k, v, cache.clone(), meta, D**-0.5, sliding_window=window, logit_softcap=softcap
+    )
+    got = get_backend("cpu", CPU).forward(q, k, v, cache, meta, D**-0.5, sliding_window=window, logit_softcap=softcap)
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_a_window_layer_never_reads_blocks_behind_its_window(decode: bool) -> None:
     """A window layer's freed blocks may be handed to other requests: poison the table entries behind
     every request's window and the output stays the reference's."""
-    q, k, v, cache, meta = batch(torch.float32)
+    q, k, v, cache, meta = decode_batch() if decode else batch(torch.float32)
     expected = get_backend("torch_ref", CPU).forward(q, k, v, cache.clone(), meta, D**-0.5, sliding_window=WINDOW)
-    poison = cache.shape[1] - 1
-    assert poison not in meta.block_tables.tolist()[0]
+    poison = min(set(range(cache.shape[1])) - set(meta.block_tables.flatten().tolist()))
     cache[:, poison] = float("nan")
     qsl = meta.query_start_loc_cpu
     tables = meta.block_tables.clone()
     for i, seq_len in enumerate(meta.seq_lens_cpu):
         first_key = max(0, seq_len - (qsl[i + 1] - qsl[i]) - WINDOW + 1)
         tables[i, : first_key // BLOCK] = poison
+    assert (tables == poison).any()
     meta.block_tables = tables
     got = get_backend("cpu", CPU).forward(q, k, v, cache, meta, D**-0.5, sliding_window=WINDOW)
     assert torch.allclose(got, expected, atol=1e-5)

@@ -37,7 +37,10 @@ def windowed_attention(
     sliding_window: int | None,
     logit_softcap: float | None,
 ) -> torch.Tensor:
-    """One request at a time over the blocks its queries can reach; fp32 scores. Returns [num_tokens, Hq, D]."""
+    """One request at a time over the blocks its queries can reach (all-decode steps: every request in
+    one batched pass); fp32 scores. Returns [num_tokens, Hq, D]."""
+    if meta.is_all_decode:
+        return _decode(q, kv_cache, meta, scale, sliding_window, logit_softcap)
     out = torch.empty_like(q)
     block_size = kv_cache.shape[2]
     group = q.shape[1] // kv_cache.shape[-2]
@@ -60,3 +63,39 @@ def windowed_attention(
         probs = masked_scores(scores, q_pos, k_pos, sliding_window, logit_softcap).softmax(dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, ctx_v).to(q.dtype)
     return out
+
+
+def _decode(
+    q: torch.Tensor,  # [B, Hq, D]: one query per request, at position seq_len - 1
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+) -> torch.Tensor:
+    """Every request's blocks within reach gathered into one padded batch: [B, num_blocks * block_size]."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    seq_lens = meta.seq_lens.long()  # [B]
+    table_width = meta.block_tables.shape[1]
+    if sliding_window is None:
+        first_block = torch.zeros_like(seq_lens)
+        num_blocks = -(-meta.max_seq_len // block_size)
+    else:
+        first_block = (seq_lens - sliding_window).clamp(min=0) // block_size
+        num_blocks = min(-(-(sliding_window - 1) // block_size) + 1, -(-meta.max_seq_len // block_size))
+    cols = first_block.unsqueeze(1) + torch.arange(num_blocks, device=q.device)  # [B, num_blocks]
+    blocks = meta.block_tables.gather(1, cols.clamp(max=table_width - 1)).long()
+    ctx_k = kv_cache[0, blocks].view(batch, -1, num_kv_heads, head_dim).float()  # [B, L, Hkv, D]
+    ctx_v = kv_cache[1, blocks].view(batch, -1, num_kv_heads, head_dim).float()
+    qg = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, ctx_k) * scale  # [B, Hkv, G, L]
+    if logit_softcap is not None:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    k_pos = first_block.unsqueeze(1) * block_size + torch.arange(ctx_k.shape[1], device=q.device)  # [B, L]
+    hidden = k_pos >= seq_lens.unsqueeze(1)
+    if sliding_window is not None:
+        hidden |= k_pos <= seq_lens.unsqueeze(1) - 1 - sliding_window
+    probs = scores.masked_fill(hidden.view(batch, 1, 1, -1), float("-inf")).softmax(dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, ctx_v)  # [B, Hkv, G, D]
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)

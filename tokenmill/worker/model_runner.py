@@ -263,8 +263,9 @@ class ModelRunner:
         for cached in sched.cached_requests:
             state = self.states[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
-            for ids, new_ids in zip(state.group_block_ids, cached.new_group_block_ids):
-                ids.extend(new_ids)
+            if cached.new_group_block_ids:  # window layers' KV groups (tokenmill/kv_groups.py)
+                for ids, new_ids in zip(state.group_block_ids, cached.new_group_block_ids):
+                    ids.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
         return [self.states[req_id] for req_id in sched.num_scheduled_tokens]
 
