@@ -3,8 +3,8 @@ the dense layers of the same precision (Bf16Linear, Int8Linear, Int4Linear: the 
 kernels one expert at a time; float32: F.linear in float64): every expert's gate/up, silu * up, down and
 the weighted sum per token, at 1, 8 and 100 tokens, top-k 1, 2 and 8, experts with no tokens. This
 process runs the build's own paths (AVX-512 / AMX builds: the VNNI and bf16 dot-product tiles, float32
-panels); the AVX2 build reruns the file (float32 and bf16 panels in one region, int8 and grouped
-weights expert by expert)."""
+panels); the AVX2 build reruns the file (its float32, bf16, int8 and grouped tiles, also in one
+region)."""
 
 from __future__ import annotations
 

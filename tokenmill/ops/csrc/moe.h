@@ -11,9 +11,10 @@
 //   4. the down GEMM of every expert, units as in 2;
 //   5. per token, the weighted sum of its k rows, in the order of its choices.
 // The units are packed_gemm's: the AVX-512 tiles (bf16 k pairs, int8 k quads, grouped 4/8-bit levels:
-// avx512::run_pair) and the float32 / bf16-interleaved panels of AVX2 builds (panel_rows, also built
-// into AVX-512 builds for float32 experts). Where neither fits (AVX2 builds with int8 or grouped
-// weights, builds without AVX2) each expert runs packed_linear in turn, still in this one call.
+// avx512::run_pair; int8 units of 8 rows or more on AMX tiles, the same bits), the float32 /
+// bf16-interleaved panels of AVX2 builds (panel_rows, also built into AVX-512 builds for float32
+// experts) and AVX2's int8 (int8_rows) and grouped (grouped::run) tiles. Builds without AVX2 run each
+// expert through packed_linear in turn, still in this one call.
 // Stacked weights: [E, P, KP, width] as packed_gemm.h packs one layer, scale [E, P * 16] float32 (per
 // channel; ones for bf16 and float32) or the grouped params [E, P, G, (2,) 16].
 #pragma once
@@ -333,8 +334,187 @@ inline void experts(const float* x, const Rows& r, const float* weights, int64_t
 }  // namespace panels
 #endif
 
-// Every expert in turn through packed_linear (its own parallel regions): the layouts the one-region
-// paths above do not take.
+#if defined(TM_AVX2) && !defined(TM_AVX512)
+namespace integer {
+namespace g = gemm;
+
+// One projection of every expert with int8 weights (k pairs, vpmaddwd against int16 activation rows,
+// packed_gemm.h) on AVX2 builds.
+class Int8Stack {
+ public:
+  Int8Stack(const at::Tensor& packed, const at::Tensor& scale, const Rows& r, float* y, int64_t N)
+      : r_(r),
+        weights_(packed.data_ptr<int8_t>()),
+        scale_(scale.data_ptr<float>()),
+        y_(y),
+        N_(N),
+        P_(packed.size(1)),
+        KP_(packed.size(2)),
+        zeros_(P_ * kPanel, 0.0f) {
+    q_.values.assign(r.total() * KP_, 0);
+    q_.scales.assign(r.total(), 1.0f);
+    units_ = gemm_units(r, g::kRowBlock, P_);
+  }
+
+  // Tile `tile` of src ([R, K] float32) as int16 rows, one scale each (quantize_rows's rounding).
+  void prepare(const float* src, int64_t K, int64_t tile) {
+    for (int64_t i = tile * kAlign, end = i + valid_rows(r_, tile); i < end; ++i) {
+      const float* row = src + i * K;
+      float amax = 0.0f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+      if (!(amax > 0.0f)) continue;  // an all-zero row stays zero
+      q_.scales[i] = amax / 32767.0f;
+      const float inv = 32767.0f / amax;
+      for (int64_t k = 0; k < K; ++k) q_.values[i * KP_ + k] = static_cast<int16_t>(std::nearbyint(row[k] * inv));
+    }
+  }
+
+  const std::vector<Unit>& units() const { return units_; }
+
+  void run(const Unit& u) const {
+    const int64_t n0 = u.q * kPanel, cols = std::min(kPanel, N_ - n0), first = r_.start[u.e];
+    const int8_t* panel = weights_ + (u.e * P_ + u.q) * KP_ * kPanel;
+    const float* sp = scale_ + u.e * P_ * kPanel + n0;
+    for (int64_t m = first + u.m0; m < first + u.m0 + u.rows; m += g::kRows)
+      g::with_rows(std::min(g::kRows, first + u.m0 + u.rows - m), [&](auto rows) {
+        g::int8_rows<decltype(rows)::value>(q_, KP_, m, panel, sp, zeros_.data() + n0, y_ + m * N_ + n0, N_, cols);
+      });
+  }
+
+ private:
+  const Rows& r_;
+  const int8_t* weights_;
+  const float* scale_;
+  float* y_;
+  int64_t N_, P_, KP_;
+  std::vector<float> zeros_;
+  g::Int16Rows q_;
+  std::vector<Unit> units_;
+};
+
+// One projection of every expert with grouped 4- or 8-bit weights (packed_int4.h) on AVX2 builds.
+class GroupedStack {
+ public:
+  GroupedStack(const at::Tensor& packed, const at::Tensor& params, const Rows& r, float* y, int64_t N)
+      : r_(r),
+        weights_(packed.data_ptr<uint8_t>()),
+        params_(static_cast<const uint8_t*>(params.data_ptr())),
+        y_(y),
+        N_(N),
+        P_(packed.size(1)),
+        KP_(packed.size(2)),
+        geo_(g::grouped::geometry(params.select(0, 0), KP_, packed.size(3))),
+        weight_stride_(packed.numel() / packed.size(0)),
+        params_stride_(params.numel() / params.size(0) * params.element_size()),
+        zeros_(P_ * kPanel, 0.0f) {
+    const int64_t G = KP_ / g::grouped::kGroup;
+    q_ = g::grouped::Q8Rows{std::vector<int8_t>(r.total() * KP_), std::vector<float>(r.total() * G),
+                            std::vector<int32_t>(r.total() * G)};
+    units_ = gemm_units(r, g::grouped::kRowBlock, P_);
+  }
+
+  void prepare(const float* src, int64_t K, int64_t tile) {
+    const int64_t G = KP_ / g::grouped::kGroup;
+    for (int64_t i = tile * kAlign, end = i + valid_rows(r_, tile); i < end; ++i)
+      g::grouped::quantize_row(src + i * K, K, KP_, q_.values.data() + i * KP_, q_.scales.data() + i * G,
+                               q_.sums.data() + i * G);
+  }
+
+  const std::vector<Unit>& units() const { return units_; }
+
+  void run(const Unit& u) const {
+    const int64_t first = r_.start[u.e], panel[1] = {u.q};
+    const uint8_t* wp = weights_ + u.e * weight_stride_;
+    const uint8_t* pp = params_ + u.e * params_stride_;
+    for (int64_t m = first + u.m0; m < first + u.m0 + u.rows; m += 3) {
+      switch (std::min<int64_t>(3, first + u.m0 + u.rows - m)) {
+        case 3:
+          g::grouped::run<1, 3>(q_, m, KP_, wp, pp, geo_, panel, zeros_.data(), y_, N_);
+          break;
+        case 2:
+          g::grouped::run<1, 2>(q_, m, KP_, wp, pp, geo_, panel, zeros_.data(), y_, N_);
+          break;
+        default:
+          g::grouped::run<1, 1>(q_, m, KP_, wp, pp, geo_, panel, zeros_.data(), y_, N_);
+      }
+    }
+  }
+
+ private:
+  const Rows& r_;
+  const uint8_t* weights_;
+  const uint8_t* params_;
+  float* y_;
+  int64_t N_, P_, KP_;
+  g::grouped::Geometry geo_;
+  int64_t weight_stride_, params_stride_;  // bytes per expert
+  std::vector<float> zeros_;
+  g::grouped::Q8Rows q_;
+  std::vector<Unit> units_;
+};
+
+template <typename Stack>
+inline void run_units(const Stack& stack, std::atomic<int64_t>& next) {
+  const std::vector<Unit>& units = stack.units();
+  for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < static_cast<int64_t>(units.size());)
+    stack.run(units[u]);
+}
+
+template <typename Up, typename Down>
+inline void experts(const float* x, const Rows& r, const float* weights, int64_t T, int64_t k, int64_t H, int64_t I,
+                    std::vector<float>& xg, std::vector<float>& gate_up, std::vector<float>& h, std::vector<float>& d,
+                    Up& up, Down& down, float* out) {
+  const int64_t tiles = r.total() / kAlign;
+  std::atomic<int64_t> next13{0}, next2{0};
+  Team::run([&](Team& team, int64_t t) {
+    const auto [first, last] = share_of(tiles, t, team.size());
+    gather(r, x, H, xg.data(), first, last);
+    for (int64_t tile = first; tile < last; ++tile) up.prepare(xg.data(), H, tile);
+    team.sync();
+    run_units(up, next13);
+    team.sync();
+    panels::silu_mul(gate_up.data(), I, h.data(), first, last);
+    for (int64_t tile = first; tile < last; ++tile) down.prepare(h.data(), I, tile);
+    team.sync();
+    run_units(down, next2);
+    team.sync();
+    const auto [t0, t1] = share_of(T, t, team.size());
+    weighted_sum(r, d.data(), weights, k, H, out, t0, t1);
+  });
+}
+
+inline bool fits(const at::Tensor& packed) {
+  return packed.scalar_type() == at::kChar || packed.scalar_type() == at::kByte;
+}
+
+// Calls f(stack) with the stack of `packed`'s kind.
+template <typename F>
+inline void with_stack(const at::Tensor& packed, const at::Tensor& scale, const Rows& r, float* y, int64_t N, F&& f) {
+  if (packed.scalar_type() == at::kChar) {
+    Int8Stack stack(packed, scale, r, y, N);
+    f(stack);
+  } else {
+    GroupedStack stack(packed, scale, r, y, N);
+    f(stack);
+  }
+}
+
+inline void experts(const float* x, const Rows& r, const float* weights, int64_t T, int64_t k, int64_t H, int64_t I,
+                    const at::Tensor& w13, const at::Tensor& s13, const at::Tensor& w2, const at::Tensor& s2,
+                    float* out) {
+  const int64_t R = r.total();
+  std::vector<float> xg(R * H), gate_up(R * 2 * I), h(R * I), d(R * H);
+  with_stack(w13, s13, r, gate_up.data(), 2 * I, [&](auto& up) {
+    with_stack(w2, s2, r, d.data(), H,
+               [&](auto& down) { experts(x, r, weights, T, k, H, I, xg, gate_up, h, d, up, down, out); });
+  });
+}
+
+}  // namespace integer
+#endif
+
+// Every expert in turn through packed_linear (its own parallel regions): builds without AVX2, and
+// mixes of float and integer weights the one-region paths above do not take.
 inline void experts_in_turn(const at::Tensor& x, const Rows& r, const float* weights, int64_t T, int64_t k, int64_t I,
                             const at::Tensor& w13, const at::Tensor& s13, const at::Tensor& w2, const at::Tensor& s2,
                             float* out) {
@@ -421,6 +601,12 @@ inline at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids, c
   }
   if (interleaved) {
     panels::experts<uint16_t>(x.data_ptr<float>(), r, weights, T, k, H, I, w13, s13, w2, s2, out.data_ptr<float>());
+    return out;
+  }
+#endif
+#if defined(TM_AVX2) && !defined(TM_AVX512)
+  if (integer::fits(w13) && integer::fits(w2)) {
+    integer::experts(x.data_ptr<float>(), r, weights, T, k, H, I, w13, s13, w2, s2, out.data_ptr<float>());
     return out;
   }
 #endif
