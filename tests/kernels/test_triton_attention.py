@@ -240,6 +240,24 @@ def test_backend_with_default_tiles_and_split_heuristic() -> None:
     assert_matches_reference(paged_batch([1, 1], [300, 20]), backend)  # two splits on the interpreter's 8 "SMs"
 
 
+@pytest.mark.parametrize("window,softcap", [(20, None), (None, 3.0), (20, 3.0)])
+@pytest.mark.parametrize("query_lens,num_computed", [([21, 9, 1, 1], [0, 37, 50, 130]), ([1, 1, 1], [4, 30, 70])])
+def test_window_and_softcap_layers_match_the_reference(
+    window: int | None, softcap: float | None, query_lens: list[int], num_computed: list[int]
+) -> None:
+    """Gemma's layers: the step's k/v written by the Triton kernel, attention by the PyTorch window path."""
+    batch = paged_batch(query_lens, num_computed)
+    ref_cache, cache = batch.kv_cache.clone(), batch.kv_cache.clone()
+    expected = TorchRefBackend().forward(
+        batch.q, batch.k, batch.v, ref_cache, batch.meta, SCALE, sliding_window=window, logit_softcap=softcap
+    )
+    out = small_backend().forward(  # type: ignore[attr-defined]
+        batch.q, batch.k, batch.v, cache, batch.meta, SCALE, sliding_window=window, logit_softcap=softcap
+    )
+    torch.testing.assert_close(cache, ref_cache, atol=0, rtol=0)
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-5, rtol=1e-5)
+
+
 def test_get_backend_selects_triton_by_name() -> None:
     from tokenmill.attention.selector import get_backend
 
