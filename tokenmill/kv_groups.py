@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+UNBOUNDED = 2**62  # a block count no budget limits (the caller caps it)
+
 
 @dataclass(frozen=True)
 class KVGroupSpec:
@@ -65,4 +67,6 @@ def budget_num_blocks(budget_bytes: int, bytes_per_block: Sequence[int], caps: S
             return max(n, 0)
         fixed += cap * size
         per_n -= size
+    if per_n == 0:  # group 0 has no layers (every layer windowed): its blocks cost nothing
+        return UNBOUNDED if fixed <= budget_bytes else 0
     return max((budget_bytes - fixed) // per_n, 0)

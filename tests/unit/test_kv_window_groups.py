@@ -5,7 +5,7 @@ before it) throughout."""
 
 from __future__ import annotations
 
-from tokenmill.kv_groups import GroupLimits, KVGroupSpec, budget_num_blocks
+from tokenmill.kv_groups import UNBOUNDED, GroupLimits, KVGroupSpec, budget_num_blocks
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduling.kv_cache_manager import KVCacheManager
 from tokenmill.scheduling.request import Request
@@ -134,3 +134,4 @@ def test_the_memory_budget_buys_group_0_what_the_window_group_cannot_use() -> No
     # 1 byte per block per group, the window group capped at 10: N + min(N, 10) <= 100.
     assert budget_num_blocks(100, [1, 1], [None, 10]) == 90
     assert budget_num_blocks(16, [1, 1], [None, 10]) == 8  # below the cap both grow together
+    assert budget_num_blocks(100, [0, 1], [None, 10]) == UNBOUNDED  # every layer windowed: group 0 costs nothing

@@ -13,7 +13,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.engine.process_tuning import freeze_startup_heap, keep_freed_memory
 from tokenmill.executor import Executor, ExecutorDeadError, make_executor
-from tokenmill.kv_groups import budget_num_blocks
+from tokenmill.kv_groups import UNBOUNDED, budget_num_blocks
 from tokenmill.loader.hf import load_tokenizer
 from tokenmill.loader.model_source import ModelSource
 from tokenmill.outputs import EngineCoreOutput
@@ -41,7 +41,7 @@ def num_kv_blocks(config: EngineConfig, runner: Executor) -> int:
         blocks = int(config.cache.kv_cache_memory_gb * 2**30 // per_block)
     driver = runner.driver
     if driver.kv_groups.num_groups > 1:  # window groups need fewer blocks: the budget buys group 0 more
-        caps = [None, *driver.group_pool_blocks(2**62)[1:]]  # each window group at most its cap
+        caps = [None, *driver.group_pool_blocks(UNBOUNDED)[1:]]  # each window group at most its cap
         blocks = budget_num_blocks(blocks * per_block, driver.kv_cache_bytes_per_group_block(), caps)
     blocks_per_seq = -(-config.scheduler.max_model_len // config.cache.block_size)
     return max(1, min(blocks, 2 * config.scheduler.max_num_seqs * blocks_per_seq))
