@@ -11,7 +11,7 @@
 //   4. the down GEMM of every expert, units as in 2;
 //   5. per token, the weighted sum of its k rows, in the order of its choices.
 // The units are packed_gemm's: the AVX-512 tiles (bf16 k pairs, int8 k quads, grouped 4/8-bit levels:
-// avx512::run_pair; int8 units of 8 rows or more on AMX tiles, the same bits), the float32 /
+// avx512::run_pair; on AMX, int8 units of 8 rows or more (the same bits) and every bf16 unit), the float32 /
 // bf16-interleaved panels of AVX2 builds (panel_rows, also built into AVX-512 builds for float32
 // experts) and AVX2's int8 (int8_rows) and grouped (grouped::run) tiles. Builds without AVX2 run each
 // expert through packed_linear in turn, still in this one call.
@@ -128,13 +128,17 @@ template <typename W>
 class Stack {
  public:
   // packed [E, P, KP, width], scale [E, ...] (see the top of the file); y: [R, ldy] output rows.
-  // amx: int8 units of at least amx::q8::kRows rows on AMX tiles (the VNNI tiles' bits).
+  // amx: int8 units of at least amx::q8::kRows rows on AMX tiles (the VNNI tiles' bits), and bf16 at every
+  // row count (AMX sums in an order of its own: a row's bits then do not depend on its expert's rows).
   Stack(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zeros, const Rows& r, float* y, int64_t N,
         bool silu_mul, bool amx)
       : r_(r), P_(packed.size(1)), KP_(packed.size(2)), amx_(amx) {
     const int64_t E = packed.size(0), R = r.total();
     if constexpr (std::is_same_v<W, uint16_t>) {
-      tiles_ = av::buffer<uint32_t>(R * KP_ / 2);
+      if (amx_)  // plain bf16 rows, read by whole A tiles of 16 rows (see q_)
+        rows_ = av::buffer<uint16_t>((R + 2 * kTileRows) * KP_);
+      else
+        tiles_ = av::buffer<uint32_t>(R * KP_ / 2);
     } else {
       const int64_t G = KP_ / av::kGroup;
       // AMX A tiles read whole tiles of 16 rows: the last expert's may reach kTileRows past its rows
@@ -149,7 +153,13 @@ class Stack {
                                             y + r.start[e] * ldy, N, silu_mul, packed.size(3));
       const int64_t m = r.start[e];
       if constexpr (std::is_same_v<W, uint16_t>) {
-        pr.x = tiles_.get() + m * KP_ / 2;
+#ifdef TM_AMX
+        if (amx_)
+          bf16_problems_.push_back(gemm::amx::Problem{base + e * per_expert, P_, KP_, rows_.get() + m * KP_,
+                                                      zeros.data_ptr<float>(), y + m * ldy, N, ldy,
+                                                      silu_mul ? P_ / 2 : 0});
+#endif
+        pr.x = amx_ ? nullptr : tiles_.get() + m * KP_ / 2;
       } else {
         const int64_t G = KP_ / av::kGroup;
         pr.x = q_.values.get() + m * KP_;
@@ -166,6 +176,12 @@ class Stack {
     const int64_t valid = valid_rows(r_, tile), m = tile * kAlign;
     if (!valid) return;
     if constexpr (std::is_same_v<W, uint16_t>) {
+#ifdef TM_AMX
+      if (amx_) {
+        for (int64_t i = m; i < m + valid; ++i) gemm::amx::bf16_row(src + i * K, K, KP_, rows_.get() + i * KP_);
+        return;
+      }
+#endif
       av::bf16_tile(src + m * K, valid, K, KP_, tiles_.get() + m * KP_ / 2);
     } else {
       const int64_t G = KP_ / av::kGroup;
@@ -200,6 +216,14 @@ class Stack {
                                     unit.q);
           return;
         }
+      } else if constexpr (std::is_same_v<W, uint16_t>) {
+        if (amx_) {
+          gemm::amx::configure(std::min(unit.rows, kTileRows));
+          for (int64_t m = unit.m0; m < unit.m0 + unit.rows; m += gemm::amx::kUnitRows)
+            gemm::amx::run_unit(bf16_problems_[unit.e], m, std::min(gemm::amx::kUnitRows, unit.m0 + unit.rows - m),
+                                unit.q);
+          return;
+        }
       }
 #endif
       av::run_pair(av::rows_from(problems_[unit.e], unit.m0), unit.rows, P_, unit.q, ahead ? unit.q + 1 : -1);
@@ -216,8 +240,12 @@ class Stack {
   int64_t P_, KP_;
   bool amx_;
   av::Buffer<uint32_t> tiles_;
+  av::Buffer<uint16_t> rows_;
   av::Q8Rows q_;
   std::vector<av::Problem<W>> problems_;
+#ifdef TM_AMX
+  std::vector<gemm::amx::Problem> bf16_problems_;  // bf16 on AMX tiles
+#endif
   std::vector<Unit> units_;
 };
 
