@@ -85,6 +85,22 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
         },
     ),
+    # Fused qkv/gate_up tensors; LongRoPE (prompts stay under the original length, where HF's factors are
+    # ours) with partial rotary, as Phi-4-mini: 3/4 of each head rotates.
+    "phi3": dict(
+        model_type="phi3",
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        partial_rotary_factor=0.75,
+        max_position_embeddings=1024,
+        original_max_position_embeddings=512,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+            "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0],
+        },
+    ),
+    "olmo2": dict(model_type="olmo2", tie_word_embeddings=False, pad_token_id=0),  # post-norms, q/k norm
 }
 
 

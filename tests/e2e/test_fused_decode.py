@@ -58,8 +58,11 @@ def test_fused_decode_matches_layer_by_layer(
     fused = LLM(model=str(tiny_model), num_kv_blocks=64, max_num_batched_tokens=16, **precision)
     eager = LLM(model=str(tiny_model), num_kv_blocks=64, max_num_batched_tokens=16, enforce_eager=True, **precision)
     assert eager.engine.runner.fused_decode_off_reason == "enforce_eager"
-    if "qwen3" in tiny_model.name:  # q/k norm: stays on the Python path
-        assert fused.engine.runner.fused_decode_off_reason == "q/k norm (Qwen3) is not fused"
+    # q/k norm, partial rotary: stay on the Python path, and say why
+    qk_norm = "q/k norm (Qwen3, OLMo 2) is not fused"
+    off_reasons = {"qwen3": qk_norm, "olmo2": qk_norm, "phi3": "partial rotary (Phi-4-mini) is not fused"}
+    if config["model_type"] in off_reasons:
+        assert fused.engine.runner.fused_decode_off_reason == off_reasons[config["model_type"]]
         return
     assert fused.engine.runner.fused_decode_off_reason is None
     calls = _count_fused_calls(fused)

@@ -26,8 +26,8 @@ from tokenmill.settings import add_config_flag, add_flags, add_help_group_flag, 
 
 logger = logging.getLogger(__name__)
 
-# Model types whose models implement their sliding window (models/gemma.py).
-WINDOWED_MODEL_TYPES = frozenset({"gemma2", "gemma3_text"})
+# Model types whose models implement their sliding window (models/gemma.py, models/phi3.py).
+WINDOWED_MODEL_TYPES = frozenset({"gemma2", "gemma3_text", "phi3"})
 
 
 def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:

@@ -50,10 +50,14 @@ def unsupported_reason(model: LlamaForCausalLM) -> str | None:
         return "not float32 on CPU"
     if model.backend.name != "cpu":
         return f"attention backend {model.backend.name!r} is not the C++ CPU one"
+    if model.rotary.rotary_dim != model.rotary.head_dim:
+        return "partial rotary (Phi-4-mini) is not fused"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.q_norm is not None:
-            return "q/k norm (Qwen3) is not fused"
+            return "q/k norm (Qwen3, OLMo 2) is not fused"
+        if attn.sliding_window is not None:
+            return "sliding-window layers (Phi-3-mini) are not fused"
         if any(_packed(m) is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
             return "linear layers are neither float32 nor packed for the C++ GEMM"
     if build.load("decode_stack") is None:
