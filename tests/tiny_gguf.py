@@ -34,6 +34,34 @@ BLOCK_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Phi-3 keeps its fused tensors (gate and up in ffn_up); OLMo 2 has post-norms instead of pre-norms.
+FAMILY_BLOCK_NAMES = {
+    "phi3": {
+        "attn_norm.weight": "input_layernorm.weight",
+        "attn_qkv.weight": "self_attn.qkv_proj.weight",
+        "attn_output.weight": "self_attn.o_proj.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "ffn_up.weight": "mlp.gate_up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+    },
+    "olmo2": {
+        **{k: v for k, v in BLOCK_NAMES.items() if k not in ("attn_norm.weight", "ffn_norm.weight")},
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+}
+# Mixture of experts (HF 5's in-memory names, Granite's block_sparse_moe read as mlp): the stacked
+# gate_up_proj [E, 2I, H] is written as ffn_gate_exps and ffn_up_exps, as llama.cpp's converter does.
+MOE_NAMES = {
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.router.layer.weight": "ffn_gate_inp.weight",
+    "mlp.router.weight": "ffn_gate_inp.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+}
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -46,14 +74,32 @@ MIXED_TYPES = {
     "attn_q": Q.Q4_0,
     "attn_k": Q.Q4_0,
     "attn_v": Q.Q8_0,
+    "attn_qkv": Q.Q4_0,
     "attn_output": Q.F16,
     "ffn_gate": Q.Q4_0,
     "ffn_up": Q.Q8_0,
     "ffn_down": Q.Q4_0,
     "output": Q.F32,
+    "ffn_gate_exps": Q.Q4_0,  # gate and up share a format, as PackedExperts needs (and llama.cpp writes)
+    "ffn_up_exps": Q.Q4_0,
+    "ffn_down_exps": Q.Q8_0,
+    "ffn_gate_shexp": Q.Q8_0,
+    "ffn_up_shexp": Q.Q4_0,
+    "ffn_down_shexp": Q.Q4_0,
 }
 # llama.cpp names Mistral checkpoints "llama"; the name tells them apart.
-_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "olmo2": "olmo2",
+    "qwen2-moe": "qwen2moe",
+    "qwen3-moe": "qwen3moe",
+    "mixtral": "llama",  # with experts
+    "granitemoe": "granitemoe",
+}
 
 
 def llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -62,12 +108,25 @@ def llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, model_type: str) -> str:
     for gguf_name, name in GLOBAL_NAMES.items():
         if hf_name == name:
             return gguf_name
     layer, suffix = hf_name.removeprefix("model.layers.").split(".", 1)
-    return f"blk.{layer}.{next(g for g, h in BLOCK_NAMES.items() if h == suffix)}"
+    suffix = suffix.replace("block_sparse_moe.", "mlp.")
+    if suffix in MOE_NAMES:
+        return f"blk.{layer}.{MOE_NAMES[suffix]}"
+    names = FAMILY_BLOCK_NAMES.get(model_type, BLOCK_NAMES)
+    return f"blk.{layer}.{next(g for g, h in names.items() if h == suffix)}"
+
+
+def gguf_pieces(hf_name: str, weight: torch.Tensor, model_type: str) -> list[tuple[str, torch.Tensor]]:
+    """The GGUF tensors an HF parameter becomes: itself renamed, or stacked experts' gate and up apart."""
+    if hf_name.endswith(".experts.gate_up_proj"):
+        layer = hf_name.removeprefix("model.layers.").split(".", 1)[0]
+        gate, up = weight.chunk(2, dim=1)  # [E, I, H] each
+        return [(f"blk.{layer}.ffn_gate_exps.weight", gate), (f"blk.{layer}.ffn_up_exps.weight", up)]
+    return [(_gguf_name(hf_name, model_type), weight)]
 
 
 def tensor_type(gguf_name: str, ndim: int, types: dict[str, GGMLQuantizationType]) -> GGMLQuantizationType:
@@ -87,7 +146,7 @@ def write_tiny_gguf(
     hf_folder: Path, out: Path, family: str, types: dict[str, GGMLQuantizationType] | None = None
 ) -> Path:
     """Write the HF tiny model in `hf_folder` (tests/tiny_models.py) as the GGUF file `out`."""
-    from safetensors.torch import load_file
+    from tests.tiny_models import hf_model
 
     types = MIXED_TYPES if types is None else types
     config = json.loads((hf_folder / "config.json").read_text())
@@ -97,14 +156,19 @@ def write_tiny_gguf(
     _add_hparams(writer, config)
     _add_tokenizer(writer, config, pre="qwen2" if family.startswith("qwen") else "default")
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    for name, weight in load_file(str(hf_folder / "model.safetensors")).items():
-        gguf_name = _gguf_name(name)
+    # The loaded model's parameters: the names transformers 5 holds (a tied head appears once).
+    for name, param in hf_model(hf_folder).named_parameters():
+        weight = param.detach()
         projection = name.rsplit(".", 2)[-2]
         if arch == "llama" and projection in heads and name.endswith("weight"):
             weight = llama_cpp_permute(weight, heads[projection])
-        qtype = tensor_type(gguf_name, weight.dim(), types)
-        data = quantize(weight.float().numpy(), qtype)
-        writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+        for gguf_name, piece in gguf_pieces(name, weight, config["model_type"]):
+            qtype = tensor_type(gguf_name, piece.dim(), types)
+            writer.add_tensor(gguf_name, quantize(piece.float().contiguous().numpy(), qtype), raw_dtype=qtype)
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") == "longrope":  # as llama.cpp writes Phi-3's factors: F32 tensors
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -122,10 +186,28 @@ def _add_hparams(writer: GGUFWriter, config: dict[str, Any]) -> None:
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
     rope = config.get("rope_parameters") or {}
+    partial = rope.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0
+    writer.add_rope_dimension_count(int(partial * head_dim))  # Phi-3's converter: partial * hidden // heads
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if "moe_intermediate_size" in config:
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    if config["model_type"] == "granitemoe":
+        writer.add_attention_scale(config["attention_multiplier"])
+        writer.add_embedding_scale(config["embedding_multiplier"])
+        writer.add_residual_scale(config["residual_multiplier"])
+        writer.add_logit_scale(config["logits_scaling"])
+    if config["model_type"] == "phi3":
+        original = config.get("original_max_position_embeddings") or config["max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_sliding_window(config.get("sliding_window") or 0)  # 0: none
 
 
 def _add_tokenizer(writer: GGUFWriter, config: dict[str, Any], pre: str) -> None:
@@ -162,6 +244,9 @@ def dequantized_hf_model(
         for name, param in model.named_parameters():
             if name == "lm_head.weight" and model.config.tie_word_embeddings:
                 continue
-            value = round_trip(param, tensor_type(_gguf_name(name), param.dim(), types))
+            pieces = gguf_pieces(name, param, model.config.model_type)
+            value = torch.cat(
+                [round_trip(w, tensor_type(n, w.dim(), types)) for n, w in pieces], dim=1 if len(pieces) > 1 else 0
+            )
             param.copy_(value.to(rounding))
     return model

@@ -1,8 +1,9 @@
 """GGUF files of each architecture llama.cpp writes for our families (llama, Mistral as llama, qwen2,
-qwen3), with a mix of F32, F16, Q8_0 and Q4_0 tensors, load in tokenmill both ways: expanded to a bf16
-HF folder, and served in their own blocks (--quantization gguf). The reference is HF transformers
-holding the same dequantized weights (tests/tiny_gguf.py); the embedded model's native Q4_1 against
-its bf16 expansion: tests/e2e/test_gguf_default_native_e2e.py."""
+qwen3, phi3 with its fused tensors and LongRoPE factors, olmo2 with its post-norms), with a mix of F32,
+F16, Q8_0 and Q4_0 tensors, load in tokenmill both ways: expanded to a bf16 HF folder, and served in
+their own blocks (--quantization gguf). The reference is HF transformers holding the same dequantized
+weights (tests/tiny_gguf.py); the embedded model's native Q4_1 against its bf16 expansion:
+tests/e2e/test_gguf_default_native_e2e.py."""
 
 from __future__ import annotations
 
@@ -20,15 +21,22 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineArgs
 from tokenmill.engine.engine_args import create_engine_config
 from tokenmill.ops import packed_gemm
-from tokenmill.quant import GroupedLinear
+from tokenmill.quant import GroupedLinear, PackedExperts
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "qwen2-moe", "qwen3-moe", "mixtral", "granitemoe"]
 # Metadata that differs from the defaults, so a key read from the wrong place shows.
 OVERRIDES: dict[str, dict[str, Any]] = {
     "llama": dict(rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
     "mistral": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "qwen2": dict(rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "qwen3": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}),  # head_dim 32 (not 64 / 4)
+    "phi3": dict(rms_norm_eps=1e-5),  # LongRoPE, partial rotary (tests/tiny_models.py)
+    "olmo2": dict(rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+    # experts as ffn_*_exps; Qwen2-MoE's shared expert and dense layer 1; Mixtral as "llama" with experts
+    "qwen2-moe": dict(rms_norm_eps=1e-5),
+    "qwen3-moe": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "mixtral": dict(rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "granitemoe": dict(rms_norm_eps=1e-5),  # its four multipliers as GGUF scales
 }
 PROMPTS = random_prompts(6, 3, 30, seed=5)
 MAX_NEW = 8
@@ -71,7 +79,7 @@ def test_gguf_metadata_becomes_the_hf_config(family_gguf: tuple[str, Path, Path]
     assert ours.model_type == original["model_type"]
     assert ours.rope_parameters["rope_theta"] == original["rope_parameters"]["rope_theta"]
     assert ours.rms_norm_eps == original["rms_norm_eps"]
-    assert ours.head_dim == original.get("head_dim", original["hidden_size"] // original["num_attention_heads"])
+    assert ours.head_dim == (original.get("head_dim") or original["hidden_size"] // original["num_attention_heads"])
     assert ours.tie_word_embeddings == original["tie_word_embeddings"]
 
 
@@ -91,12 +99,22 @@ def test_native_layers_hold_exactly_the_files_weights(family_gguf: tuple[str, Pa
     family, hf_folder, gguf_file = family_gguf
     model = LLM(str(gguf_file), dtype="float32", num_kv_blocks=64, quantization="gguf").engine.runner.model
     reference = dict(dequantized_hf_model(hf_folder).named_parameters())
-    # MIXED_TYPES: q/k/v (Q4_0, Q4_0, Q8_0) and gate/up (Q4_0, Q8_0) fused, down Q4_0; o_proj F16 stays float
+    # MIXED_TYPES: q/k/v (Q4_0, Q4_0, Q8_0; Phi-3's qkv Q4_0) and gate/up (Q4_0, Q8_0; Phi-3's Q8_0)
+    # fused, down Q4_0; o_proj F16 stays float
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}"
-        qkv = torch.cat([reference[f"{prefix}.self_attn.{p}_proj.weight"] for p in "qkv"])
-        gate_up = torch.cat([reference[f"{prefix}.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+        if family == "phi3":  # fused in the checkpoint, the file and our layers alike
+            qkv = reference[f"{prefix}.self_attn.qkv_proj.weight"]
+            gate_up = reference[f"{prefix}.mlp.gate_up_proj.weight"]
+        else:
+            qkv = torch.cat([reference[f"{prefix}.self_attn.{p}_proj.weight"] for p in "qkv"])
+            gate_up = None
         assert torch.equal(layer.self_attn.qkv_proj.dequantize(), qkv)
+        if hasattr(layer.mlp, "experts"):  # every expert of the layer in the file's blocks, one C++ call
+            assert isinstance(layer.mlp.experts, PackedExperts) and layer.mlp.experts.kind == "int4"
+            continue
+        if gate_up is None:
+            gate_up = torch.cat([reference[f"{prefix}.mlp.{p}_proj.weight"] for p in ("gate", "up")])
         assert torch.equal(layer.mlp.gate_up_proj.dequantize(), gate_up)
         assert torch.equal(layer.mlp.down_proj.dequantize(), reference[f"{prefix}.mlp.down_proj.weight"])
         assert not isinstance(layer.self_attn.o_proj, GroupedLinear)

@@ -1,4 +1,4 @@
-"""Read GGUF files (Llama, Mistral, Qwen2, Qwen3; see gguf_arch.py) as Hugging Face tensors, and write
+"""Read GGUF files (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2; see gguf_arch.py) as Hugging Face tensors, and write
 them out as a plain HF folder.
 
 Usage::
@@ -26,9 +26,17 @@ from gguf import GGUFReader
 from gguf.gguf_reader import ReaderTensor
 from safetensors.torch import save_file
 from tokenizers import pre_tokenizers
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from tokenmill.loader.gguf_arch import expected_names, field, hf_name, read_arch, read_config, rope_heads
+from tokenmill.loader.gguf_arch import (
+    expected_names,
+    field,
+    hf_name,
+    is_weight,
+    read_arch,
+    read_config,
+    rope_heads,
+)
 
 # llama.cpp pre-tokenizers that split every digit on its own before the GPT-2 regex; transformers'
 # GGUF tokenizer conversion drops that split, so numbers would tokenize differently from training.
@@ -63,7 +71,7 @@ def _load_checkpoint(reader: GGUFReader, dtype: torch.dtype) -> GGUFCheckpoint:
     arch = read_arch(reader)
     config = read_config(reader, arch)
     state_dict: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in filter(lambda t: is_weight(t.name), reader.tensors):
         name = hf_name(tensor.name, arch)
         weight = dequantize(tensor)
         heads = rope_heads(name, arch, config)
@@ -73,7 +81,18 @@ def _load_checkpoint(reader: GGUFReader, dtype: torch.dtype) -> GGUFCheckpoint:
     missing = sorted(expected_names(arch, config) - state_dict.keys())
     if missing:
         raise ValueError(f"the GGUF file is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    _stack_gate_up(state_dict)
     return GGUFCheckpoint(state_dict, config)
+
+
+def _stack_gate_up(state_dict: dict[str, torch.Tensor]) -> None:
+    """Experts' gate and up ([E, I, H] each in the file) as transformers 5 saves them: one gate_up_proj
+    [E, 2 I, H], gate rows first, so the expanded folder loads in transformers too."""
+    for gate_name in [name for name in state_dict if name.endswith(".mlp.experts.gate_proj")]:
+        prefix = gate_name.removesuffix("gate_proj")
+        state_dict[f"{prefix}gate_up_proj"] = torch.cat(
+            [state_dict.pop(gate_name), state_dict.pop(f"{prefix}up_proj")], 1
+        )
 
 
 def gguf_to_hf_folder(
@@ -137,7 +156,7 @@ def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
 def _write_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path, max_length: int) -> None:
     pre = field(reader, "tokenizer.ggml.pre", "default")
     chat_template = field(reader, "tokenizer.chat_template", "")
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+    tokenizer = _gguf_tokenizer(gguf_path)
     if not tokenizer.is_fast:
         raise ValueError(f"transformers built a slow tokenizer for {gguf_path}; a fast one is required")
     if pre in _DIGIT_SPLIT_PRE_TOKENIZERS:
@@ -157,6 +176,19 @@ def _write_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path, max_len
     tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"  # plain tokenizer.json, any version
     tokenizer_config["model_max_length"] = max_length
     _write_json(config_path, tokenizer_config)
+
+
+def _gguf_tokenizer(gguf_path: Path) -> Any:
+    """transformers' tokenizer of the file: AutoTokenizer's class where transformers reads the file's
+    architecture (it picks the class by the model config), else the plain fast tokenizer built from the
+    same tokenizer metadata (OLMo 2, GraniteMoe, ... whose GGUF configs transformers does not read)."""
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    except ValueError as exc:
+        if "is not supported yet" not in str(exc):
+            raise
+        return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name, local_files_only=True)
 
 
 def _make_readable(folder: Path) -> None:

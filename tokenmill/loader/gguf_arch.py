@@ -2,8 +2,11 @@
 
 llama.cpp's converter writes Llama and Mistral checkpoints as architecture ``llama`` (Mistral's only
 trace is ``general.name``) and interleaves their q/k rows for its rotary convention; ``qwen2`` (q/k/v
-biases) and ``qwen3`` (q/k RMSNorm, an explicit head_dim) keep HF's row order. Every key is read under
-the architecture's own prefix (``qwen2.rope.freq_base``, ...).
+biases), ``qwen3`` (q/k RMSNorm, an explicit head_dim), ``phi3`` (fused ``attn_qkv``, gate and up
+fused in ``ffn_up``, LongRoPE factors as the tensors ``rope_factors_{short,long}``, partial rotary as
+``rope.dimension_count``) and ``olmo2`` (``post_attention_norm`` / ``post_ffw_norm`` instead of the
+pre-norms, q/k norms over the whole projection) keep HF's row order. Every key is read under the
+architecture's own prefix (``qwen2.rope.freq_base``, ...).
 """
 
 from __future__ import annotations
@@ -24,23 +27,18 @@ class GGUFArch:
     hf_architecture: str  # config.json "architectures"
     model_type: str
     permuted_qk: bool  # llama.cpp interleaved the q/k rows (see gguf.unpermute_rope_rows)
-    qkv_bias: bool  # q/k/v projections carry biases (Qwen2)
-    qk_norm: bool  # RMSNorm on each head's q and k (Qwen3)
+    block_names: dict[str, str]  # GGUF block tensor suffix -> HF suffix
+    optional: frozenset[str] = frozenset()  # block suffixes not every layer has (MoE's dense or sparse MLPs)
 
-
-_ARCHS = {
-    "llama": GGUFArch("llama", "LlamaForCausalLM", "llama", permuted_qk=True, qkv_bias=False, qk_norm=False),
-    "mistral": GGUFArch("llama", "MistralForCausalLM", "mistral", permuted_qk=True, qkv_bias=False, qk_norm=False),
-    "qwen2": GGUFArch("qwen2", "Qwen2ForCausalLM", "qwen2", permuted_qk=False, qkv_bias=True, qk_norm=False),
-    "qwen3": GGUFArch("qwen3", "Qwen3ForCausalLM", "qwen3", permuted_qk=False, qkv_bias=False, qk_norm=True),
-}
 
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_BLOCK_NAMES = {
+# Tensors that are metadata to us: Phi-3's LongRoPE factors (read into the config's rope_parameters).
+ROPE_FACTOR_TENSORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
+_LLAMA_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
@@ -59,6 +57,65 @@ _BIAS_NAMES = {
 _QK_NORM_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# Phi-3's checkpoint names: llama.cpp keeps its fused tensors (gate rows then up rows in ffn_up).
+_PHI3_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_OLMO2_NAMES = {
+    **{k: v for k, v in _LLAMA_NAMES.items() if not k.endswith("_norm.weight")},
+    **_QK_NORM_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# Experts stacked [E, rows, columns] (gate and up apart), the router, and Qwen2-MoE's gated shared expert.
+_MOE_NAMES = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+}
+_SHARED_EXPERT_NAMES = {
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+}
+_MLP_NAMES = frozenset({"ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", *_MOE_NAMES, *_SHARED_EXPERT_NAMES})
+# fused HF tensor suffix -> its pieces' suffixes, in row order (sizes: fused_parts)
+FUSED_NAMES = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+_ARCHS = {
+    "llama": GGUFArch("llama", "LlamaForCausalLM", "llama", True, _LLAMA_NAMES),
+    "mistral": GGUFArch("llama", "MistralForCausalLM", "mistral", True, _LLAMA_NAMES),
+    "qwen2": GGUFArch("qwen2", "Qwen2ForCausalLM", "qwen2", False, _LLAMA_NAMES | _BIAS_NAMES),
+    "qwen3": GGUFArch("qwen3", "Qwen3ForCausalLM", "qwen3", False, _LLAMA_NAMES | _QK_NORM_NAMES),
+    "phi3": GGUFArch("phi3", "Phi3ForCausalLM", "phi3", False, _PHI3_NAMES),
+    "olmo2": GGUFArch("olmo2", "Olmo2ForCausalLM", "olmo2", False, _OLMO2_NAMES),
+    # llama.cpp writes Mixtral as "llama" with experts (read_arch tells them apart)
+    "mixtral": GGUFArch("llama", "MixtralForCausalLM", "mixtral", True, _LLAMA_NAMES | _MOE_NAMES, _MLP_NAMES),
+    "qwen2moe": GGUFArch(
+        "qwen2moe",
+        "Qwen2MoeForCausalLM",
+        "qwen2_moe",
+        False,
+        _LLAMA_NAMES | _BIAS_NAMES | _MOE_NAMES | _SHARED_EXPERT_NAMES,
+        _MLP_NAMES,
+    ),
+    "qwen3moe": GGUFArch(
+        "qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe", False, _LLAMA_NAMES | _QK_NORM_NAMES | _MOE_NAMES, _MLP_NAMES
+    ),
+    "granitemoe": GGUFArch(
+        "granitemoe", "GraniteMoeForCausalLM", "granitemoe", False, _LLAMA_NAMES | _MOE_NAMES, _MLP_NAMES
+    ),
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
 _REQUIRED = object()  # sentinel: a metadata key without a default
@@ -82,7 +139,9 @@ def optional_int(reader: GGUFReader, key: str) -> int | None:
 def read_arch(reader: GGUFReader) -> GGUFArch:
     """The file's architecture; Mistral is ``llama`` with a Mistral name (as transformers reads it too)."""
     name = str(field(reader, "general.architecture"))
-    if name == "llama" and "mistral" in str(field(reader, "general.name", "")).lower():
+    if name == "llama" and (optional_int(reader, "llama.expert_count") or 0) > 0:
+        name = "mixtral"
+    elif name == "llama" and "mistral" in str(field(reader, "general.name", "")).lower():
         name = "mistral"
     if name not in _ARCHS:
         raise ValueError(f"GGUF architecture {name!r} is not supported; tokenmill reads {sorted(set(_ARCHS))}")
@@ -97,9 +156,6 @@ def _f32(value: float) -> float:
 def read_config(reader: GGUFReader, arch: GGUFArch) -> dict[str, Any]:
     """config.json contents for `arch` from the file's metadata and tensor shapes."""
     p = arch.prefix
-    scaling = field(reader, f"{p}.rope.scaling.type", "none")
-    if scaling != "none":
-        raise ValueError(f"RoPE scaling '{scaling}' is not supported by the GGUF loader")
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ValueError("GGUF file has no token_embd.weight tensor")
@@ -107,9 +163,10 @@ def read_config(reader: GGUFReader, arch: GGUFArch) -> dict[str, Any]:
     heads = int(field(reader, f"{p}.attention.head_count"))
     head_dim = int(field(reader, f"{p}.attention.key_length", hidden // heads))
     rope_dim = int(field(reader, f"{p}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and arch.model_type != "phi3":
         raise ValueError(f"partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")
-    rope_theta = _f32(field(reader, f"{p}.rope.freq_base", 10000.0))
+    rope = _rope_parameters(reader, p, tensors)
+    rope_theta = rope["rope_theta"]
     eos_ids = _eos_ids(reader)
     config: dict[str, Any] = {
         "architectures": [arch.hf_architecture],
@@ -125,17 +182,79 @@ def read_config(reader: GGUFReader, arch: GGUFArch) -> dict[str, Any]:
         "max_position_embeddings": int(field(reader, f"{p}.context_length")),
         "rms_norm_eps": _f32(field(reader, f"{p}.attention.layer_norm_rms_epsilon")),
         "rope_theta": rope_theta,  # read by transformers < 5
-        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "rope_parameters": rope,
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": optional_int(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
         "pad_token_id": optional_int(reader, "tokenizer.ggml.padding_token_id"),
     }
-    if arch.model_type in ("llama", "qwen3"):
+    if arch.model_type in ("llama", "qwen3", "olmo2", "qwen3_moe", "mixtral", "granitemoe"):
         config |= {"attention_bias": False, "mlp_bias": False}
-    if arch.model_type != "llama":  # llama.cpp runs every layer with full attention
+    if arch.optional:  # mixture of experts
+        config |= _moe_config(reader, arch, tensors, config)
+    if rope_dim != head_dim:
+        rope["partial_rotary_factor"] = config["partial_rotary_factor"] = rope_dim / head_dim
+    if "original_max_position_embeddings" in rope:
+        config["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+    if arch.model_type == "phi3":  # 0: none (Phi-4)
+        config["sliding_window"] = int(field(reader, f"{p}.attention.sliding_window", 0)) or None
+    elif arch.model_type != "llama":  # llama.cpp runs every layer with full attention
         config |= {"sliding_window": None, "use_sliding_window": False}
     return config
+
+
+def _moe_config(reader: GGUFReader, arch: GGUFArch, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """The experts' config keys: count, top-k, their width; Qwen2-MoE's shared expert and dense layers
+    (those without ffn_gate_exps); GraniteMoe's multipliers. llama.cpp renormalizes the top-k weights
+    of Qwen3-MoE, Mixtral and GraniteMoe and not Qwen2-MoE's, as their HF configs do."""
+    p = arch.prefix
+    num_experts, top_k = int(field(reader, f"{p}.expert_count")), int(field(reader, f"{p}.expert_used_count"))
+    expert_width = int(field(reader, f"{p}.expert_feed_forward_length", config["intermediate_size"]))
+    if arch.model_type in ("mixtral", "granitemoe"):
+        out: dict[str, Any] = {"num_local_experts": num_experts, "num_experts_per_tok": top_k}
+        out["intermediate_size"] = expert_width
+        if arch.model_type == "granitemoe":
+            out |= {
+                "attention_multiplier": _f32(field(reader, f"{p}.attention.scale", 1.0)),
+                "embedding_multiplier": _f32(field(reader, f"{p}.embedding_scale", 1.0)),
+                "residual_multiplier": _f32(field(reader, f"{p}.residual_scale", 1.0)),
+                "logits_scaling": _f32(field(reader, f"{p}.logit_scale", 1.0)),
+            }
+        return out
+    dense = [i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_gate_exps.weight" not in tensors]
+    out = {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": expert_width,
+        "norm_topk_prob": arch.model_type == "qwen3_moe",
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+    }
+    if arch.model_type == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = int(field(reader, f"{p}.expert_shared_feed_forward_length", 0))
+        out["qkv_bias"] = True
+    return out
+
+
+def _rope_parameters(reader: GGUFReader, p: str, tensors: dict[str, Any]) -> dict[str, Any]:
+    """HF rope_parameters: the base, and linear / YaRN scaling by the rope.scaling keys, or LongRoPE
+    (Phi-3) by its factor tensors."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _f32(field(reader, f"{p}.rope.freq_base", 10000.0))}
+    original = optional_int(reader, f"{p}.rope.scaling.original_context_length")
+    if all(name in tensors for name in ROPE_FACTOR_TENSORS):
+        rope["rope_type"] = "longrope"
+        for name, key in ROPE_FACTOR_TENSORS.items():
+            rope[key] = [_f32(v) for v in np.asarray(tensors[name].data, dtype=np.float32).tolist()]
+        rope["original_max_position_embeddings"] = original or int(field(reader, f"{p}.context_length"))
+        return rope
+    scaling = field(reader, f"{p}.rope.scaling.type", "none")
+    if scaling in ("linear", "yarn"):
+        rope |= {"rope_type": scaling, "factor": _f32(field(reader, f"{p}.rope.scaling.factor"))}
+        if scaling == "yarn":
+            rope["original_max_position_embeddings"] = original or int(field(reader, f"{p}.context_length"))
+    elif scaling != "none":
+        raise ValueError(f"RoPE scaling '{scaling}' is not supported by the GGUF loader")
+    return rope
 
 
 def _eos_ids(reader: GGUFReader) -> list[int]:
@@ -146,21 +265,31 @@ def _eos_ids(reader: GGUFReader) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def block_names(arch: GGUFArch) -> dict[str, str]:
-    """GGUF block tensor suffix -> HF suffix, for the tensors `arch` has."""
-    names = dict(_BLOCK_NAMES)
-    if arch.qkv_bias:
-        names |= _BIAS_NAMES
-    if arch.qk_norm:
-        names |= _QK_NORM_NAMES
-    return names
+def is_weight(gguf_name: str) -> bool:
+    """Whether the tensor is a model weight (not metadata stored as a tensor, ROPE_FACTOR_TENSORS)."""
+    return gguf_name not in ROPE_FACTOR_TENSORS
+
+
+def fused_parts(name: str, config: dict[str, Any]) -> list[tuple[str, int, int]]:
+    """A fused HF tensor's pieces (name, first row, rows), in row order; [] when `name` is not fused."""
+    fused = next((f for f in FUSED_NAMES if name.endswith(f".{f}")), None)
+    if fused is None:
+        return []
+    prefix = name.removesuffix(fused)
+    if fused.startswith("self_attn."):
+        head_dim, kv = int(config["head_dim"]), int(config["num_key_value_heads"])
+        sizes = [int(config["num_attention_heads"]) * head_dim, kv * head_dim, kv * head_dim]
+    else:
+        sizes = [int(config["intermediate_size"])] * 2
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(prefix + piece, start, size) for piece, start, size in zip(FUSED_NAMES[fused], starts, sizes)]
 
 
 def hf_name(gguf_name: str, arch: GGUFArch) -> str:
     """The HF checkpoint name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn...``)."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
-    names = block_names(arch)
+    names = arch.block_names
     match = _BLOCK_RE.fullmatch(gguf_name)
     if match is None or match.group(2) not in names:
         raise ValueError(f"unsupported tensor {gguf_name!r} in a {arch.prefix} GGUF file")
@@ -183,7 +312,7 @@ def expected_names(arch: GGUFArch, config: dict[str, Any]) -> set[str]:
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     if not config["tie_word_embeddings"]:
         expected.add("lm_head.weight")
-    suffixes = block_names(arch).values()
+    suffixes = [hf for gguf_name, hf in arch.block_names.items() if gguf_name not in arch.optional]
     for layer in range(config["num_hidden_layers"]):
         expected.update(f"model.layers.{layer}.{suffix}" for suffix in suffixes)
     return expected

@@ -1,4 +1,5 @@
-"""``--quantization gguf``: a .gguf model's linear layers and LM head served in the file's own blocks.
+"""``--quantization gguf``: a .gguf model's linear layers, LM head and experts served in the file's own
+blocks.
 
 `attach_gguf_linears` runs on the model while it is still on the meta device: each linear layer whose
 checkpoint tensors are all quantized becomes a GroupedLinear built from the file's blocks (repacked
@@ -18,10 +19,13 @@ from typing import cast
 import torch
 from torch import nn
 
+from tokenmill.distributed.parallel_state import tp_world_size
 from tokenmill.loader.gguf_weights import GGUFWeights
 from tokenmill.models.layers.linear import RowParallelLinear
+from tokenmill.models.layers.moe import FusedExperts
 from tokenmill.models.llama import STACKED_PARAMS
-from tokenmill.quant import GroupedLinear, GroupedWeight, keep_layout_attributes
+from tokenmill.ops import moe as moe_ops
+from tokenmill.quant import GroupedLinear, GroupedWeight, PackedExperts, keep_layout_attributes
 from tokenmill.quant.gguf import common_format
 
 # our fused layer -> the checkpoint projections stacked in it and their shard ids, in row order
@@ -42,6 +46,7 @@ def attach_gguf_linears(model: nn.Module, weights: GGUFWeights, device: str) -> 
             continue
         _replace(model, path, _grouped_linear(weights, linear, parts, linear.out_features, device), linear)
         consumed.update(name for part, _ in parts for name in (f"{part}.weight", f"{part}.bias") if name in weights)
+    consumed |= _attach_packed_experts(model, weights, device)
     if getattr(model, "lm_head", False) is None and weights.is_quantized("model.embed_tokens.weight"):
         # Tied: the head multiplies by the embedding's blocks (this rank's vocabulary rows, as the
         # embedding's loader takes them); the lookup still takes float rows.
@@ -50,6 +55,25 @@ def attach_gguf_linears(model: nn.Module, weights: GGUFWeights, device: str) -> 
             raise ValueError(f"{type(model).__name__} ties its head to an embedding it does not name embed_tokens")
         parts = [("model.embed_tokens", None)]
         model.lm_head = _grouped_linear(weights, embedding, parts, embedding.num_embeddings, device)
+    return consumed
+
+
+def _attach_packed_experts(model: nn.Module, weights: GGUFWeights, device: str) -> set[str]:
+    """Swap each FusedExperts whose ffn_*_exps are all quantized for PackedExperts built from their
+    blocks (every expert of a layer in one C++ call); returns the names consumed. On one CPU rank only:
+    elsewhere the experts load expanded to float (their blocks dequantized), as do float expert tensors."""
+    if device != "cpu" or tp_world_size() > 1 or not moe_ops.available():
+        return set()
+    consumed: set[str] = set()
+    for path, experts in [(p, m) for p, m in model.named_modules() if isinstance(m, FusedExperts)]:
+        names = [f"model.{path}.{piece}" for piece in ("gate_proj", "up_proj", "down_proj")]
+        if not all(name in weights and weights.is_quantized(name) for name in names):
+            continue
+        gate, up, down = (weights.grouped_experts(name) for name in names)
+        packed = PackedExperts.from_grouped(gate, up, down, experts.hidden_size, experts.intermediate_size)
+        parent_path, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent_path) if parent_path else model, child, packed)
+        consumed.update(names)
     return consumed
 
 
