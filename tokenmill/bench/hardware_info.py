@@ -3,6 +3,7 @@
     tokenmill info                 # CPU, cores, instruction sets, kernel paths, memory, GPU
     tokenmill info --bandwidth     # also a measured memory bandwidth (a timed 256 MB copy, about a second)
     tokenmill info --json          # the same as one JSON object
+    tokenmill info MODEL           # whether tokenmill runs a model folder or .gguf file, and its shape
 
 Nothing here builds a C++ kernel: the paths follow from the CPU flags and TOKENMILL_CPU_ISA, the same
 answers tokenmill/ops/build.py gives the loader. A bandwidth measurement is kept in tokenmill's cache: servers
@@ -14,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -233,6 +235,12 @@ def add_info_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        help="a model folder or .gguf file: say whether tokenmill runs its architecture, with its family, "
+        "layers, parameters and experts, without loading its weights (exit status 1 when it does not)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--bandwidth",
@@ -244,12 +252,25 @@ def add_info_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def cmd_info(args: argparse.Namespace) -> None:
+    if args.model:
+        _model_info(args.model, args.json)
+        return
     info = gather(bandwidth=args.bandwidth)
     if info.memory_bandwidth_gb_s is not None:  # servers started later show their draw against it
         from tokenmill.metrics.bandwidth import save_measured_bandwidth
 
         save_measured_bandwidth(info.memory_bandwidth_gb_s)
     print(json.dumps(info.to_dict(), indent=2) if args.json else format_info(info))
+
+
+def _model_info(model: str, as_json: bool) -> None:
+    from tokenmill.bench.model_info import describe_model, format_model_info
+
+    info = describe_model(model)
+    print(json.dumps(info.to_dict(), indent=2) if as_json else format_model_info(info))
+    if not info.supported:
+        print(f"tokenmill: {info.message}", file=sys.stderr)
+        sys.exit(1)
 
 
 def _cpuinfo_lines() -> list[str]:
