@@ -2,7 +2,7 @@
 prefill, preemption and prefix hits): tensor parallelism, where Phi-3's fused checkpoint tensors are
 split per rank and OLMo 2's whole-projection q/k norms sum their statistic over the ranks (also with
 fewer KV heads than ranks, each KV head held twice); Phi-3's sliding window on every layer; int8
-weights."""
+weights; speculative decoding."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e import test_spec_decode_e2e as spec
 from tests.e2e.test_tensor_parallel import TIGHT, _assert_logprobs_close, _generate, _tokens
 from tests.tiny_models import hf_greedy, hf_model, make_tiny_model, random_prompts
 from tokenmill import LLM, SamplingParams
@@ -71,3 +72,20 @@ def test_int8_greedy_agreement_with_float32(family: str, tmp_path: Path) -> None
     agreement = sum(a == b for a, b in zip(int8, fp32)) / len(fp32)
     print(f"{family}: int8 agreement {agreement:.3f}")
     assert agreement >= 0.90
+
+
+@pytest.mark.parametrize("family", ["phi3", "olmo2"])
+def test_speculative_decoding_greedy_equals_no_speculation(family: str, tmp_path: Path) -> None:
+    """n-gram drafts on Phi-3, a noisy draft model of the same family on OLMo 2 (accepted and rejected)."""
+    folder = make_tiny_model(tmp_path / "target", family)
+    if family == "phi3":
+        prompts, proposer = spec.repetitive_prompts(8, seed=1), spec.ngram()
+    else:
+        prompts, proposer = (
+            random_prompts(8, 5, 60, seed=2),
+            spec.draft(spec.noisy_copy(folder, tmp_path / "d", spec.NOISE)),
+        )
+    expected = spec.tokens(spec.engine(folder).generate(prompts, spec.GREEDY, use_tqdm=False))
+    llm = spec.engine(folder, proposer)
+    assert spec.tokens(llm.generate(prompts, spec.GREEDY, use_tqdm=False)) == expected
+    assert llm.engine.scheduler.stats.spec.num_draft_tokens > 0
