@@ -44,6 +44,12 @@ FAMILY_BLOCK_NAMES = {
         "ffn_up.weight": "mlp.gate_up_proj.weight",
         "ffn_down.weight": "mlp.down_proj.weight",
     },
+    "gemma2": {  # (1 + w) norms, stored as 1 + w
+        **{k: v for k, v in BLOCK_NAMES.items() if k != "ffn_norm.weight"},
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
     "olmo2": {
         **{k: v for k, v in BLOCK_NAMES.items() if k not in ("attn_norm.weight", "ffn_norm.weight")},
         "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -99,6 +105,7 @@ _ARCH = {
     "qwen3-moe": "qwen3moe",
     "mixtral": "llama",  # with experts
     "granitemoe": "granitemoe",
+    "gemma2": "gemma2",
 }
 
 
@@ -121,12 +128,18 @@ def _gguf_name(hf_name: str, model_type: str) -> str:
 
 
 def gguf_pieces(hf_name: str, weight: torch.Tensor, model_type: str) -> list[tuple[str, torch.Tensor]]:
-    """The GGUF tensors an HF parameter becomes: itself renamed, or stacked experts' gate and up apart."""
+    """The GGUF tensors an HF parameter becomes: itself renamed, or stacked experts' gate and up apart
+    (Gemma's norms: 1 + w, see gemma_offset)."""
     if hf_name.endswith(".experts.gate_up_proj"):
         layer = hf_name.removeprefix("model.layers.").split(".", 1)[0]
         gate, up = weight.chunk(2, dim=1)  # [E, I, H] each
         return [(f"blk.{layer}.ffn_gate_exps.weight", gate), (f"blk.{layer}.ffn_up_exps.weight", up)]
-    return [(_gguf_name(hf_name, model_type), weight)]
+    return [(_gguf_name(hf_name, model_type), weight + gemma_offset(hf_name, model_type))]
+
+
+def gemma_offset(hf_name: str, model_type: str) -> float:
+    """llama.cpp stores Gemma's norm weights w as 1 + w."""
+    return 1.0 if model_type == "gemma2" and hf_name.endswith("norm.weight") else 0.0
 
 
 def tensor_type(gguf_name: str, ndim: int, types: dict[str, GGMLQuantizationType]) -> GGMLQuantizationType:
@@ -204,6 +217,10 @@ def _add_hparams(writer: GGUFWriter, config: dict[str, Any]) -> None:
         writer.add_embedding_scale(config["embedding_multiplier"])
         writer.add_residual_scale(config["residual_multiplier"])
         writer.add_logit_scale(config["logits_scaling"])
+    if config["model_type"] == "gemma2":
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     if config["model_type"] == "phi3":
         original = config.get("original_max_position_embeddings") or config["max_position_embeddings"]
         writer.add_rope_scaling_orig_ctx_len(original)
@@ -245,8 +262,9 @@ def dequantized_hf_model(
             if name == "lm_head.weight" and model.config.tie_word_embeddings:
                 continue
             pieces = gguf_pieces(name, param, model.config.model_type)
+            offset = gemma_offset(name, model.config.model_type)  # what the loader subtracts again
             value = torch.cat(
                 [round_trip(w, tensor_type(n, w.dim(), types)) for n, w in pieces], dim=1 if len(pieces) > 1 else 0
             )
-            param.copy_(value.to(rounding))
+            param.copy_((value - offset).to(rounding))
     return model

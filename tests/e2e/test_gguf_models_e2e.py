@@ -23,7 +23,19 @@ from tokenmill.engine.engine_args import create_engine_config
 from tokenmill.ops import packed_gemm
 from tokenmill.quant import GroupedLinear, PackedExperts
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "qwen2-moe", "qwen3-moe", "mixtral", "granitemoe"]
+FAMILIES = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "olmo2",
+    "qwen2-moe",
+    "qwen3-moe",
+    "mixtral",
+    "granitemoe",
+    "gemma2",
+]
 # Metadata that differs from the defaults, so a key read from the wrong place shows.
 OVERRIDES: dict[str, dict[str, Any]] = {
     "llama": dict(rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
@@ -37,6 +49,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3-moe": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "mixtral": dict(rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "granitemoe": dict(rms_norm_eps=1e-5),  # its four multipliers as GGUF scales
+    # norms stored as 1 + w; the file has no query_pre_attn_scalar (llama.cpp: head_dim)
+    "gemma2": dict(query_pre_attn_scalar=32),
 }
 PROMPTS = random_prompts(6, 3, 30, seed=5)
 MAX_NEW = 8

@@ -36,6 +36,7 @@ from tokenmill.loader.gguf_arch import (
     read_arch,
     read_config,
     rope_heads,
+    stored_offset,
 )
 
 # llama.cpp pre-tokenizers that split every digit on its own before the GPT-2 regex; transformers'
@@ -77,7 +78,7 @@ def _load_checkpoint(reader: GGUFReader, dtype: torch.dtype) -> GGUFCheckpoint:
         heads = rope_heads(name, arch, config)
         if heads is not None:
             weight = unpermute_rope_rows(weight, heads)
-        state_dict[name] = weight.to(dtype)
+        state_dict[name] = (weight - stored_offset(name, arch)).to(dtype)
     missing = sorted(expected_names(arch, config) - state_dict.keys())
     if missing:
         raise ValueError(f"the GGUF file is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -29,6 +29,7 @@ class GGUFArch:
     permuted_qk: bool  # llama.cpp interleaved the q/k rows (see gguf.unpermute_rope_rows)
     block_names: dict[str, str]  # GGUF block tensor suffix -> HF suffix
     optional: frozenset[str] = frozenset()  # block suffixes not every layer has (MoE's dense or sparse MLPs)
+    norm_offset: float = 0.0  # llama.cpp stores Gemma's (1 + w) norms as 1 + w: subtract it on load
 
 
 GLOBAL_NAMES = {
@@ -73,6 +74,12 @@ _OLMO2_NAMES = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+_GEMMA2_NAMES = {
+    **{k: v for k, v in _LLAMA_NAMES.items() if k != "ffn_norm.weight"},
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 # Experts stacked [E, rows, columns] (gate and up apart), the router, and Qwen2-MoE's gated shared expert.
 _MOE_NAMES = {
     "ffn_gate_inp.weight": "mlp.gate.weight",
@@ -100,6 +107,7 @@ _ARCHS = {
     "qwen3": GGUFArch("qwen3", "Qwen3ForCausalLM", "qwen3", False, _LLAMA_NAMES | _QK_NORM_NAMES),
     "phi3": GGUFArch("phi3", "Phi3ForCausalLM", "phi3", False, _PHI3_NAMES),
     "olmo2": GGUFArch("olmo2", "Olmo2ForCausalLM", "olmo2", False, _OLMO2_NAMES),
+    "gemma2": GGUFArch("gemma2", "Gemma2ForCausalLM", "gemma2", False, _GEMMA2_NAMES, norm_offset=1.0),
     # llama.cpp writes Mixtral as "llama" with experts (read_arch tells them apart)
     "mixtral": GGUFArch("llama", "MixtralForCausalLM", "mixtral", True, _LLAMA_NAMES | _MOE_NAMES, _MLP_NAMES),
     "qwen2moe": GGUFArch(
@@ -196,11 +204,34 @@ def read_config(reader: GGUFReader, arch: GGUFArch) -> dict[str, Any]:
         rope["partial_rotary_factor"] = config["partial_rotary_factor"] = rope_dim / head_dim
     if "original_max_position_embeddings" in rope:
         config["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
-    if arch.model_type == "phi3":  # 0: none (Phi-4)
+    if arch.model_type == "gemma2":
+        config |= _gemma2_config(reader, p, config)
+    elif arch.model_type == "phi3":  # 0: none (Phi-4)
         config["sliding_window"] = int(field(reader, f"{p}.attention.sliding_window", 0)) or None
     elif arch.model_type != "llama":  # llama.cpp runs every layer with full attention
         config |= {"sliding_window": None, "use_sliding_window": False}
     return config
+
+
+def _gemma2_config(reader: GGUFReader, p: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's window, soft-caps and score scale. The file has no query_pre_attn_scalar: llama.cpp
+    scales by head_dim ** -0.5, but by (hidden / heads) ** -0.5 for the 27B model (46 layers)."""
+    scalar = config["head_dim"]
+    if config["num_hidden_layers"] == 46:
+        scalar = config["hidden_size"] // config["num_attention_heads"]
+    return {
+        "sliding_window": int(field(reader, f"{p}.attention.sliding_window")),
+        "attn_logit_softcapping": _f32(field(reader, f"{p}.attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": _f32(field(reader, f"{p}.final_logit_softcapping", 30.0)),
+        "query_pre_attn_scalar": scalar,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
+    }
+
+
+def stored_offset(name: str, arch: GGUFArch) -> float:
+    """What llama.cpp added to the HF tensor `name` (Gemma's norm weights: 1)."""
+    return arch.norm_offset if name.endswith("norm.weight") else 0.0
 
 
 def _moe_config(reader: GGUFReader, arch: GGUFArch, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:

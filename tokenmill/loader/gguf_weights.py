@@ -26,6 +26,7 @@ from tokenmill.loader.gguf_arch import (
     read_arch,
     read_config,
     rope_heads,
+    stored_offset,
 )
 from tokenmill.quant.gguf import FLOAT_TYPES, repack
 from tokenmill.quant.grouped import GroupedWeight
@@ -97,7 +98,7 @@ class GGUFWeights:
 
     def float_tensor(self, name: str) -> torch.Tensor:
         """The tensor dequantized to float32, in HF layout and row order."""
-        weight = dequantize(self._tensor(name))
+        weight = dequantize(self._tensor(name)) - stored_offset(name, self.arch)
         heads = rope_heads(name, self.arch, self.config)
         return self._rows(name, weight if heads is None else unpermute_rope_rows(weight, heads))
 
