@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e import test_int4_e2e as int4_e2e
 from tests.e2e import test_spec_decode_e2e as spec
 from tests.e2e.test_tensor_parallel import TIGHT, _assert_logprobs_close, _generate, _tokens
 from tests.tiny_models import hf_greedy, hf_model, make_tiny_model, random_prompts
@@ -89,3 +90,19 @@ def test_speculative_decoding_greedy_equals_no_speculation(family: str, tmp_path
     llm = spec.engine(folder, proposer)
     assert spec.tokens(llm.generate(prompts, spec.GREEDY, use_tqdm=False)) == expected
     assert llm.engine.scheduler.stats.spec.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("family", ["phi3", "olmo2"])
+def test_int4_greedy_agreement_with_its_dequantized_fp32_twin(family: str, tmp_path: Path) -> None:
+    """Teacher-forced greedy tokens of int4 weights against the fp32 model holding the same dequantized
+    weights (int4 against the original fp32 is ~50% on tiny random models, llama's too): only the int8
+    activation rounding differs. Measured: 95.3% (phi3), 97.9% (olmo2)."""
+    folder = make_tiny_model(tmp_path, family)
+    prompts = random_prompts(16, 10, 40, seed=1)
+    int4 = int4_e2e.int4_llm(folder)
+    twin = int4_e2e.dequantized_twin(folder, int4)
+    got, want = int4_e2e.top_tokens(int4, prompts), int4_e2e.top_tokens(twin, prompts)
+    assert len(got) == len(want) == sum(len(p) - 1 for p in prompts)
+    agreement = sum(a == b for a, b in zip(got, want)) / len(want)
+    print(f"{family}: int4 agreement with its twin {agreement:.3f}")
+    assert agreement >= 0.93
