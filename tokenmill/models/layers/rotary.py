@@ -113,9 +113,10 @@ def _yarn_inv_freq(dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, floa
     if low == high:
         high += 0.001  # a ramp of width zero
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [dim / 2]
-    extrapolated = _base_inv_freq(dim, params)
-    keep = 1 - ramp
-    return extrapolated / factor * (1 - keep) + extrapolated * keep, float(attention_factor)
+    keep = 1 - ramp  # the share of the original frequency
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    # 1 / (factor * pos_freqs), not inv_freq / factor: the same rounding as transformers
+    return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep, float(attention_factor)
 
 
 def _longrope_tables(dim: int, positions: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
