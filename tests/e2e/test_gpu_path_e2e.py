@@ -18,6 +18,7 @@ from tokenmill.config import EngineArgs
 from tokenmill.engine import engine_core
 from tokenmill.engine.engine_args import add_engine_args, create_engine_config, engine_kwargs
 from tokenmill.engine.engine_core import num_kv_blocks
+from tokenmill.kv_groups import KVGroupSpec
 from tokenmill.worker.input_batch import StepBatch
 from tokenmill.worker.model_runner import kv_cache_bytes_per_block
 
@@ -65,7 +66,10 @@ def test_on_cuda_the_profiled_budget_sizes_the_cache_within_the_per_sequence_cap
 ) -> None:
     config, _ = create_engine_config(EngineArgs(model=str(llama_model), max_num_seqs=4, max_model_len=256))
     per_block = kv_cache_bytes_per_block(config)
-    cuda_runner = SimpleNamespace(device=torch.device("cuda"), kv_cache_bytes_per_block=lambda: per_block)
+    one_group = SimpleNamespace(kv_groups=KVGroupSpec.of_layers([None]))  # no window layers
+    cuda_runner = SimpleNamespace(
+        device=torch.device("cuda"), kv_cache_bytes_per_block=lambda: per_block, driver=one_group
+    )
     # 0.9 of 1000 blocks' worth, less a peak of 800 blocks' worth: room for 100.
     monkeypatch.setattr(engine_core, "profile_peak_memory", lambda runner: (1000 * per_block, 800 * per_block))
     assert num_kv_blocks(config, cuda_runner) == 100  # type: ignore[arg-type]
