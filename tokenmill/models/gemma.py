@@ -21,9 +21,9 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.distributed.communication import all_reduce_
 from tokenmill.distributed.parallel_state import tp_world_size
 from tokenmill.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
-from tokenmill.models.layers.linear import MergedLinear, RowParallelLinear, default_weight_loader
+from tokenmill.models.layers.linear import MergedLinear, RowParallelLinear
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters
-from tokenmill.models.llama import STACKED_PARAMS, Attention, head_dim_of
+from tokenmill.models.llama import Attention, head_dim_of, load_tensor
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -167,16 +167,5 @@ class GemmaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
-            shard_id: str | int | None = None
-            for ckpt_piece, our_piece, sid in STACKED_PARAMS:
-                if f".{ckpt_piece}." in name:
-                    name, shard_id = name.replace(ckpt_piece, our_piece), sid
-                    break
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
-            owner = self.get_submodule(name.rpartition(".")[0])
-            loader = getattr(owner, "weight_loader", default_weight_loader)
-            loader(param, tensor, shard_id)  # copies (and converts) only this rank's slice
-            loaded.add(name)
+            loaded.add(load_tensor(self, params, name, tensor))
         return loaded

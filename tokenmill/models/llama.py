@@ -38,6 +38,24 @@ def head_dim_of(hf_config: Any) -> int:
     return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
 
 
+def load_tensor(model: nn.Module, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str:
+    """Copy one checkpoint tensor (its name without "model.") into `model`'s parameter, through the owning
+    module's weight loader, which takes only this rank's slice; a piece of a fused layer (q_proj, up_proj,
+    ...) goes to its rows. Returns the parameter's name."""
+    shard_id: str | int | None = None
+    for ckpt_piece, our_piece, sid in STACKED_PARAMS:
+        if f".{ckpt_piece}." in name:
+            name, shard_id = name.replace(ckpt_piece, our_piece), sid
+            break
+    param = params.get(name)
+    if param is None:
+        raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
+    owner = model.get_submodule(name.rpartition(".")[0])
+    loader = getattr(owner, "weight_loader", default_weight_loader)
+    loader(param, tensor, shard_id)  # copies (and converts) only this rank's slice
+    return name
+
+
 class Attention(nn.Module):
     """scale: of the scores (default head_dim ** -0.5). sliding_window / logit_softcap: see
     AttentionBackend.forward; a window layer reads its KV layer group's block tables (kv_group, set by
@@ -194,16 +212,5 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
-            shard_id: str | int | None = None
-            for ckpt_piece, our_piece, sid in STACKED_PARAMS:
-                if f".{ckpt_piece}." in name:
-                    name, shard_id = name.replace(ckpt_piece, our_piece), sid
-                    break
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
-            owner = self.get_submodule(name.rpartition(".")[0])
-            loader = getattr(owner, "weight_loader", default_weight_loader)
-            loader(param, tensor, shard_id)  # copies (and converts) only this rank's slice
-            loaded.add(name)
+            loaded.add(load_tensor(self, params, name, tensor))
         return loaded

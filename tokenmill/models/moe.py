@@ -19,11 +19,10 @@ from torch import nn
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
-from tokenmill.models.layers.linear import default_weight_loader
 from tokenmill.models.layers.moe import FusedExperts, SparseMoeBlock, TopKRouter
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters
-from tokenmill.models.llama import MLP, STACKED_PARAMS, Attention, head_dim_of
+from tokenmill.models.llama import MLP, Attention, head_dim_of, load_tensor
 
 
 @dataclass(frozen=True)
@@ -223,18 +222,7 @@ class MoeForCausalLM(nn.Module):
             if expert is not None:
                 loaded.add(expert)
                 continue
-            shard_id: str | int | None = None
-            for ckpt_piece, our_piece, sid in STACKED_PARAMS:
-                if f".{ckpt_piece}." in name:
-                    name, shard_id = name.replace(ckpt_piece, our_piece), sid
-                    break
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
-            owner = self.get_submodule(name.rpartition(".")[0])
-            loader = getattr(owner, "weight_loader", default_weight_loader)
-            loader(param, tensor, shard_id)  # copies (and converts) only this rank's slice
-            loaded.add(name)
+            loaded.add(load_tensor(self, params, name, tensor))
         return loaded
 
     def _load_expert(self, name: str, tensor: torch.Tensor) -> str | None:
