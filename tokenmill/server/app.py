@@ -43,7 +43,7 @@ from tokenmill.server.protocol import (
     ModelList,
 )
 from tokenmill.server.read_deadline import ReadDeadlineMiddleware
-from tokenmill.server.security import ANONYMOUS
+from tokenmill.server.security import request_key
 
 logger = logging.getLogger(__name__)
 
@@ -103,18 +103,20 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: _SSE})
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        async with state_for_model(state, body.model, _key(request)) as target:
-            return await create_completion(target, body, request, _key(request))
+        async with state_for_model(state, body.model, request_key(request.scope)) as target:
+            return await create_completion(target, body, request, request_key(request.scope))
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, 200: _SSE})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        async with state_for_model(state, body.model, _key(request)) as target:
-            return await create_chat_completion(target, body, request, _key(request))
+        async with state_for_model(state, body.model, request_key(request.scope)) as target:
+            return await create_chat_completion(target, body, request, request_key(request.scope))
+
+    # The other API families (Responses, Anthropic Messages, embeddings, files and batches): one router each.
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
     async def models(request: Request) -> Any:
         if state.models is not None:  # as JSON: the cards' extra fields (version, aliases, state) stay
-            cards = model_cards(state.models, _key(request))
+            cards = model_cards(state.models, request_key(request.scope))
             return JSONResponse({"object": "list", "data": [card.model_dump() for card in cards]})
         # The served name only: the model's path on this machine is no client's business.
         card = ModelCard(id=state.model_name, root=state.model_name, max_model_len=state.engine.max_model_len)
@@ -180,10 +182,6 @@ def build_app(state: ServerState) -> FastAPI:
     hosts = allowed_hosts(state.config.host, state.config.allowed_hosts)
     app.add_middleware(HostMiddleware, allowed=hosts)  # type: ignore[arg-type]
     return app
-
-
-def _key(request: Request) -> str:
-    return str(request.scope.get("tokenmill_key", ANONYMOUS))
 
 
 async def _log_throughput(state: ServerState) -> None:

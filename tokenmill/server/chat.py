@@ -44,12 +44,20 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     arrival = time.monotonic()
     request_id = new_id("chatcmpl")
     with state.limiter.charging_refusals(key):
-        prepared, plan = await _prepare(state, body, key, request_id)
+        prepared, plan = await prepare_chat(state, body, key, request_id)
         job = admit(state, key, [prepared], arrival, body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return JobStreamingResponse(state, job, _stream(state, body, plan, job, request_id, include_usage))
     await finish(state, job, request)
+    response = chat_response(state, body, plan, job, request_id)
+    return JSONResponse(response.model_dump(), headers=job.admission.headers)
+
+
+def chat_response(
+    state: ServerState, body: ChatCompletionRequest, plan: ToolPlan, job: Job, request_id: str
+) -> ChatCompletionResponse:
+    """The unstreamed reply of a finished job (also what the Batch API writes for a chat line)."""
     top = (body.top_logprobs or 0) if body.logprobs else None
     choices = []
     for out in job.outputs[0].outputs:
@@ -63,11 +71,10 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                 stop_reason=out.stop_reason,
             )
         )
-    response = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=job.usage())
-    return JSONResponse(response.model_dump(), headers=job.admission.headers)
+    return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=job.usage())
 
 
-async def _prepare(
+async def prepare_chat(
     state: ServerState, body: ChatCompletionRequest, key: str, request_id: str
 ) -> tuple[PreparedRequest, ToolPlan]:
     """The conversation as an engine request, validated (APIError 400 for anything wrong), and what to

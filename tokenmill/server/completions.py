@@ -48,12 +48,20 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     arrival = time.monotonic()
     request_id = new_id("cmpl")
     with state.limiter.charging_refusals(key):
-        prepared = await _prepare(state, body, key, request_id)
+        prepared = await prepare_completion(state, body, key, request_id)
         job = admit(state, key, prepared, arrival, body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return JobStreamingResponse(state, job, _stream(state, body, job, request_id, include_usage))
     await finish(state, job, request)
+    response = completion_response(state, body, prepared, job, request_id)
+    return JSONResponse(response.model_dump(), headers=job.admission.headers)
+
+
+def completion_response(
+    state: ServerState, body: CompletionRequest, prepared: list[PreparedRequest], job: Job, request_id: str
+) -> CompletionResponse:
+    """The unstreamed reply of a finished job (also what the Batch API writes for a completions line)."""
     choices = []
     for i, prepared_req in enumerate(prepared):
         for out in job.outputs[i].outputs:
@@ -68,11 +76,12 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
                     prepared_req.prompt,
                 )
             )
-    response = CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=job.usage())
-    return JSONResponse(response.model_dump(), headers=job.admission.headers)
+    return CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=job.usage())
 
 
-async def _prepare(state: ServerState, body: CompletionRequest, key: str, request_id: str) -> list[PreparedRequest]:
+async def prepare_completion(
+    state: ServerState, body: CompletionRequest, key: str, request_id: str
+) -> list[PreparedRequest]:
     """The request's prompts as engine requests, validated (APIError 400 for anything wrong); every
     prompt's length is checked before any is tokenized."""
     state.check_model(body.model)

@@ -13,13 +13,19 @@ import hmac
 import math
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.server.errors import APIError
 
 ANONYMOUS = "anonymous"
+
+
+def request_key(scope: Mapping[str, Any]) -> str:
+    """The name of the key a request came with (AuthMiddleware puts it in the ASGI scope)."""
+    return str(scope.get("tokenmill_key", ANONYMOUS))
 
 
 class ApiKeys:

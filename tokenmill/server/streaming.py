@@ -84,10 +84,13 @@ class JobStreamingResponse(StreamingResponse):
             close(self.state, self.job)
 
 
-async def finish(state: ServerState, job: Job, request: Request) -> None:
-    """Run an unstreamed job to its end; a client that disconnects first aborts it."""
-    attach_job(request.scope, job)
+async def finish(state: ServerState, job: Job, request: Request | None) -> None:
+    """Run an unstreamed job to its end; a client that disconnects first aborts it. Without a request
+    (the Batch API's lines) it just runs; cancelling the caller aborts it."""
     try:
+        if request is None:
+            return await _drain(state, job)
+        attach_job(request.scope, job)
         await until_disconnect(request, _drain(state, job))
     finally:
         close(state, job)
