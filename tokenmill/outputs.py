@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -34,6 +35,7 @@ class NewRequestData:
     num_computed_tokens: int
     # KV layer groups 1, 2, ... (sliding-window layers: tokenmill/kv_groups.py): each one's block ids.
     group_block_ids: list[list[int]] = field(default_factory=list)
+    pooling_params: PoolingParams | None = None  # a pooling request: never sampled
 
 
 @dataclass
@@ -75,6 +77,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     # req_id -> draft tokens proposed for its next step (speculative decoding); the scheduler may cut them.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> the pooled vector of a pooling request whose prompt this step completed.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -116,6 +120,36 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the request ended because of an error
+    # A pooling request's result: the pooled embedding (or the classification head's logits).
+    pooled: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """LLM.embed's result for one input: its pooled, L2-normalized final hidden state."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
+
+
+@dataclass
+class ClassificationOutput:
+    """LLM.classify's result: the classification head's logits on the input's last token."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    logits: list[float]
+
+
+@dataclass
+class ScoringOutput:
+    """LLM.score's result for one (text_1, text_2) pair. method "classification": the head's logit on
+    the pair, as one input; "cosine": the cosine similarity of the two texts' embeddings."""
+
+    score: float
+    method: str
+    num_prompt_tokens: int
 
 
 @dataclass
@@ -129,6 +163,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    pooled: list[float] | None = None  # a pooling request's result, with its finish
 
     @property
     def finished(self) -> bool:

@@ -37,6 +37,7 @@ from tokenmill.executor.messages import (
     WorkerCommand,
 )
 from tokenmill.outputs import CachedRequestData, EngineCoreOutput, Logprob, NewRequestData, SchedulerOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.scheduling.request import Request, RequestStatus
 from tokenmill.scheduling.scheduler import AdmissionLimits
@@ -98,8 +99,9 @@ PARAMS = SamplingParams(
 # ---------------------------------------------------------------------- engine commands
 def test_an_add_command_keeps_every_field_and_the_prefill_leader() -> None:
     _assert_every_field_set(PARAMS)
-    leader = Request("r#0", [1, 2, 3], PARAMS, frozenset({2, 9}), priority=-1, arrival_time=12.5, cache_salt="s")
-    child = Request("r#1", [1, 2, 3], PARAMS, frozenset({2, 9}), -1, 12.5, prefill_leader=leader, cache_salt="s")
+    pooling = PoolingParams("classify", "MEAN", normalize=False)
+    leader = Request("r#0", [1, 2, 3], PARAMS, frozenset({2, 9}), -1, 12.5, cache_salt="s", pooling_params=pooling)
+    child = Request("r#1", [1, 2, 3], PARAMS, frozenset({2, 9}), -1, 12.5, leader, "s", pooling)
     sent = AddRequests(7, [NewRequest.of(leader), NewRequest.of(child)])
     _assert_every_field_set(sent)
     _assert_every_field_set(sent.requests[1])
@@ -109,6 +111,7 @@ def test_an_add_command_keeps_every_field_and_the_prefill_leader() -> None:
     assert [r.req_id for r in built] == ["r#0", "r#1"]
     assert built[1].prefill_leader is built[0] and built[0].prefill_leader is None
     assert built[0].sampling_params == PARAMS and built[0].eos_token_ids == frozenset({2, 9})
+    assert built[1].pooling_params == pooling
 
 
 @pytest.mark.parametrize(
@@ -153,6 +156,7 @@ def test_a_step_event_keeps_every_field_by_name() -> None:
         finish_reason="stop",
         stop_reason=2,
         error="boom",
+        pooled=[0.5, -0.25],
     )
     snapshot = EngineSnapshot(3, 1, 40, 0.25, 90, 2, 128, 64, 17, 5, 4, 20, 10, (4, 3), 6, 0.01, 2, 30, 1 << 40)
     timings = RequestTimings(1.0, 2.0, 3.0, 1, 16, 12, 7)
@@ -205,7 +209,7 @@ def test_a_renamed_field_is_refused() -> None:
 
 # ---------------------------------------------------------------------- tensor-parallel ranks
 def test_a_step_command_keeps_every_field_and_the_batch_order() -> None:
-    new = NewRequestData("b", [1, 2], [3], PARAMS, [4, 5], 2, [[0, 8]])
+    new = NewRequestData("b", [1, 2], [3], PARAMS, [4, 5], 2, [[0, 8]], PoolingParams("embed", "CLS"))
     cached = CachedRequestData("a", [6], 9, [[10]])
     sched = SchedulerOutput([new], [cached], {"b": 1, "a": 2}, 3, {"gone"}, {"a": [7]})
     for part in (new, cached, sched):

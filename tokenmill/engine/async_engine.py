@@ -40,10 +40,13 @@ from tokenmill.engine.engine_args import create_engine_config
 from tokenmill.engine.input_processor import InputProcessor, PreparedRequest, Prompt
 from tokenmill.engine.messages import EngineSnapshot, EngineStep, NewRequest, RequestTimings
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.pooling_config import ModelPooling
+from tokenmill.engine.request_limits import NO_CAPS, RequestCaps
 from tokenmill.engine.request_metrics import merge_request_metrics
 from tokenmill.engine.restart_policy import RestartPolicy
 from tokenmill.loader.hf import load_tokenizer
 from tokenmill.outputs import RequestMetrics, RequestOutput
+from tokenmill.pooling_params import PoolingTask
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduling.request import RequestStatus
 
@@ -114,6 +117,7 @@ class AsyncEngine:
             self.tokenizer, self.config.model.vocab_size, source.eos_token_ids, self.client.limits
         )
         self.outputs = OutputProcessor(self.tokenizer)
+        self.pooling = ModelPooling.of(source.folder, self.config.model.hf_config)
         self.stall_timeout_s = stall_timeout_s
         self.stats: StatsListener | None = None
         self.streams: dict[str, RequestStream] = {}
@@ -178,6 +182,20 @@ class AsyncEngine:
         """Tokenize and validate; raises ValueError with a message for the user."""
         return self.inputs.process(request_id, prompt, params, priority, prompt_token_ids, cache_salt)
 
+    def prepare_pooling(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        task: PoolingTask,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        caps: RequestCaps = NO_CAPS,
+    ) -> PreparedRequest:
+        """A pooling request (an embedding, a classification) as the model pools; ValueError for the user
+        (RequestRejected over a cap). Its one output carries `pooled`."""
+        params = self.pooling.params(task)
+        return self.inputs.process_pooling(request_id, prompt, params, priority, cache_salt, caps)
+
     def add(self, prepared: PreparedRequest, arrival_time: float | None = None) -> RequestStream:
         """Queue a prepared request; its outputs arrive on the returned stream."""
         if self.dead_reason is not None:
@@ -200,6 +218,7 @@ class AsyncEngine:
             prepared.prompt_token_ids,
             prepared.params,
             [c.req_id for c in prepared.children],
+            pooling=prepared.pooling_params is not None,
         )
         self._send(stream)
         return stream

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.chat_template import chat_prompt_token_ids
-from tokenmill.engine.request_limits import NO_CAPS, RequestCaps, resolve_max_tokens
+from tokenmill.engine.request_limits import NO_CAPS, RequestCaps, check_pooling_prompt, resolve_max_tokens
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduling.request import Request
 from tokenmill.scheduling.scheduler import AdmissionLimits
@@ -28,6 +29,11 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams  # max_tokens resolved
     children: list[Request]
+    pooling_params: PoolingParams | None = None  # a pooling request: its one child pools, never samples
+
+
+# What a pooling request carries as sampling params: they are never used (it never samples).
+POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 def check_cache_salt(cache_salt: object) -> None:
@@ -79,6 +85,14 @@ class InputProcessor:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}).")
         return list(ids)
 
+    def pair_token_ids(self, text_1: str, text_2: str) -> list[int]:
+        """Two texts as one input, joined as the tokenizer joins a pair (a cross-encoder's input)."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: scoring needs one.")
+        if not text_1 or not text_2:
+            raise ValueError("both texts to score must be non-empty.")
+        return list(self.tokenizer(text_1, text_2)["input_ids"])
+
     def chat_token_ids(
         self,
         messages: list[dict[str, Any]],
@@ -121,6 +135,31 @@ class InputProcessor:
             self.grammars.check(params.structured_outputs)  # a bad schema, regex or grammar: ValueError
         children = self._fan_out(request_id, ids, params, priority, cache_salt)
         return PreparedRequest(request_id, text, ids, params, children)
+
+    def process_pooling(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        pooling_params: PoolingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        caps: RequestCaps = NO_CAPS,
+    ) -> PreparedRequest:
+        """A pooling request (an embedding, a classification), validated like `process`: it is
+        prefilled, never samples, and ends with its pooled vector once its prompt is computed."""
+        check_cache_salt(cache_salt)
+        text, ids = self.tokenize(prompt)
+        check_pooling_prompt(self.limits, len(ids), caps)
+        child = Request(
+            request_id,
+            ids,
+            POOLING_SAMPLING,
+            self.eos_token_ids,
+            priority,
+            cache_salt=cache_salt,
+            pooling_params=pooling_params,
+        )
+        return PreparedRequest(request_id, text, ids, POOLING_SAMPLING, [child], pooling_params)
 
     def _fan_out(
         self, request_id: str, ids: list[int], params: SamplingParams, priority: int, cache_salt: str | None = None

@@ -16,9 +16,11 @@ from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.input_processor import InputProcessor, PreparedRequest, Prompt
 from tokenmill.engine.messages import RequestTimings
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.pooling_config import ModelPooling
 from tokenmill.engine.request_metrics import merge_request_metrics
 from tokenmill.loader.hf import load_tokenizer
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput, ScoringOutput
+from tokenmill.pooling_params import PoolingTask, truncate_embedding
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduling.request import Request, RequestStatus
 from tokenmill.structured.llguidance_backend import llguidance_grammars
@@ -53,6 +55,7 @@ class LLM:
         grammars = llguidance_grammars(self.tokenizer, vocab_size, eos)
         self.engine = EngineCore(self.config, source, grammars)
         self.inputs = InputProcessor(self.tokenizer, vocab_size, eos, self.engine.scheduler.limits, grammars)
+        self.pooling = ModelPooling.of(source.folder, self.config.model.hf_config)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
@@ -76,6 +79,8 @@ class LLM:
         back in prompt order. Every prompt is validated before any is queued. `cache_salt` (for every
         prompt; a dict prompt's own "cache_salt" otherwise) keeps their prefix-cache blocks apart from
         other salts'."""
+        if self.pooling.classifier:
+            raise ValueError("this model is a classifier (*ForSequenceClassification): use score or classify.")
         prompt_list = _as_prompt_list(prompts)
         params = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompt_list), "sampling_params")
         priorities = _broadcast(list(priority) if priority is not None else 0, len(prompt_list), "priority")
@@ -120,6 +125,54 @@ class LLM:
             prompt = {"prompt_token_ids": self.inputs.chat_token_ids(prompt)}  # type: ignore[arg-type]
         yield from self._iterate([self.inputs.process(str(next(self._ids)), prompt, params, cache_salt=cache_salt)])
 
+    # ------------------------------------------------------------------ pooling
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], dimensions: int | None = None, *, use_tqdm: bool = False
+    ) -> list[EmbeddingOutput]:
+        """Each prompt's embedding: the final hidden state pooled as the model folder's
+        sentence-transformers config says (else the last token), L2-normalized; with `dimensions`, its
+        first values normalized again. The prompts are prefilled with any other traffic and keep no KV."""
+        results = self._pool(prompts, "embed", use_tqdm)
+        return [
+            EmbeddingOutput(r.request_id, r.prompt_token_ids, truncate_embedding(r.pooled or [], dimensions))
+            for r in results
+        ]
+
+    def classify(self, prompts: Prompt | Sequence[Prompt], *, use_tqdm: bool = False) -> list[ClassificationOutput]:
+        """A *ForSequenceClassification model's logits on each prompt (its last token)."""
+        return [
+            ClassificationOutput(r.request_id, r.prompt_token_ids, r.pooled or [])
+            for r in self._pool(prompts, "classify", use_tqdm)
+        ]
+
+    def score(self, text_1: str, text_2: str | Sequence[str], *, use_tqdm: bool = False) -> list[ScoringOutput]:
+        """How well each of `text_2` goes with `text_1`. With a classification head (one label): its
+        logit on the pair, tokenized as the tokenizer joins a pair (method "classification"); otherwise
+        the cosine similarity of their embeddings (method "cosine")."""
+        texts = [text_2] if isinstance(text_2, str) else list(text_2)
+        if not texts:
+            raise ValueError("score needs at least one text_2.")
+        if self.pooling.classifier:
+            pairs: list[Prompt] = [self.inputs.pair_token_ids(text_1, t) for t in texts]
+            results = self._pool(pairs, "classify", use_tqdm)
+            return [ScoringOutput(score_logit(r.pooled), "classification", len(r.prompt_token_ids)) for r in results]
+        first, *rest = self._pool([text_1, *texts], "embed", use_tqdm)
+        return [
+            ScoringOutput(
+                cosine(first.pooled, r.pooled), "cosine", len(first.prompt_token_ids) + len(r.prompt_token_ids)
+            )
+            for r in rest
+        ]
+
+    def _pool(self, prompts: Prompt | Sequence[Prompt], task: PoolingTask, use_tqdm: bool) -> list[RequestOutput]:
+        params = self.pooling.params(task)
+        prepared = [self.inputs.process_pooling(str(next(self._ids)), p, params) for p in _as_prompt_list(prompts)]
+        results = self._run(prepared, use_tqdm)
+        for result in results:
+            if result.error is not None or result.pooled is None:
+                raise RuntimeError(f"pooling request {result.request_id} failed: {result.error}")
+        return results
+
     # ------------------------------------------------------------------ the step loop
     def _run(self, prepared: list[PreparedRequest], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -140,7 +193,12 @@ class LLM:
         children: dict[str, list[Request]] = {}
         for req in prepared:
             processor.add_request(
-                req.request_id, req.prompt, req.prompt_token_ids, req.params, [c.req_id for c in req.children]
+                req.request_id,
+                req.prompt,
+                req.prompt_token_ids,
+                req.params,
+                [c.req_id for c in req.children],
+                pooling=req.pooling_params is not None,
             )
             for child in req.children:
                 self.engine.add_request(child)
@@ -180,6 +238,18 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
             raise ValueError("a prompt must be a string or a list of token ids, got int.")
         prompt_list.append(item)
     return prompt_list
+
+
+def score_logit(logits: list[float] | None) -> float:
+    """A one-label classifier's score: its logit (what transformers' model returns)."""
+    if not logits or len(logits) != 1:
+        raise ValueError(f"scoring needs a classifier with one label; this one has {len(logits or [])}.")
+    return logits[0]
+
+
+def cosine(a: list[float] | None, b: list[float] | None) -> float:
+    """The cosine similarity of two L2-normalized embeddings: their dot product."""
+    return sum(x * y for x, y in zip(a or [], b or []))
 
 
 T = TypeVar("T")

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmill.outputs import EngineCoreOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams, params_for_wire
 from tokenmill.scheduling.request import Request, RequestStatus
 from tokenmill.scheduling.scheduler import AdmissionLimits
@@ -32,6 +33,7 @@ class NewRequest(Message):
     arrival_time: float  # time.monotonic() when the request was prepared
     prefill_leader_id: str | None  # the sibling that computes the shared prompt first (n > 1)
     cache_salt: str | None
+    pooling_params: PoolingParams | None = None  # a pooling request (see pooling_params.py)
 
     @classmethod
     def of(cls, request: Request) -> NewRequest:
@@ -45,12 +47,13 @@ class NewRequest(Message):
             request.arrival_time,
             None if leader is None else leader.req_id,
             request.cache_salt,
+            request.pooling_params,
         )
 
     @property
     def max_tokens(self) -> int:
-        # The input processor resolves None before a request is sent.
-        return self.sampling_params.max_tokens or 0
+        # The input processor resolves None before a request is sent; a pooling request generates nothing.
+        return 0 if self.pooling_params is not None else self.sampling_params.max_tokens or 0
 
 
 def build_requests(specs: list[NewRequest]) -> list[Request]:
@@ -66,6 +69,7 @@ def build_requests(specs: list[NewRequest]) -> list[Request]:
             spec.arrival_time,
             prefill_leader=None if spec.prefill_leader_id is None else built.get(spec.prefill_leader_id),
             cache_salt=spec.cache_salt,
+            pooling_params=spec.pooling_params,
         )
     return list(built.values())
 

@@ -51,6 +51,7 @@ class _RequestState:
     sequences: list[_Sequence]
     prompt_logprobs: list[TokenLogprobs | None] | None
     error: str | None = None
+    pooled: list[float] | None = None  # a pooling request's result
 
     @property
     def finished(self) -> bool:
@@ -72,8 +73,13 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         child_ids: list[str],
+        pooling: bool = False,
     ) -> None:
-        sequences = [_Sequence(i, self._detokenizer(prompt_token_ids, params)) for i in range(len(child_ids))]
+        """`pooling`: the request pools (an embedding): it generates no text to detokenize."""
+        sequences = [
+            _Sequence(i, None if pooling else self._detokenizer(prompt_token_ids, params))
+            for i in range(len(child_ids))
+        ]
         for seq in sequences if params.logprobs is not None else []:
             seq.logprobs, seq.cumulative_logprob = [], 0.0
         wants_prompt_lps = params.prompt_logprobs is not None
@@ -130,6 +136,8 @@ class OutputProcessor:
             state.prompt_logprobs.extend(out.new_prompt_logprobs)
         if out.error is not None:
             state.error = out.error
+        if out.pooled is not None:
+            state.pooled = out.pooled
         stopped_by_string = False
         if out.new_token_ids:
             new_ids = out.new_token_ids  # several with speculative decoding
@@ -172,6 +180,7 @@ class OutputProcessor:
             finished=state.finished,
             prompt_logprobs=state.prompt_logprobs,
             error=state.error,
+            pooled=state.pooled,
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:

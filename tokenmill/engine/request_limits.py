@@ -38,12 +38,7 @@ def resolve_max_tokens(
     the caps and the context left after the prompt. RequestRejected when the prompt or max_tokens is
     over a cap, or when prompt + max_tokens could never run (limits.check)."""
     max_len = limits.max_model_len
-    if caps.max_prompt_tokens is not None and num_prompt_tokens > caps.max_prompt_tokens:
-        raise RequestRejected(
-            f"the prompt has {num_prompt_tokens} tokens; this server accepts at most {caps.max_prompt_tokens}.",
-            "prompt_too_long",
-            "prompt",
-        )
+    _check_prompt_cap(num_prompt_tokens, caps)
     cap = min(caps.max_tokens or max_len, max_len)
     if requested is None:
         room = max_len - num_prompt_tokens
@@ -59,3 +54,28 @@ def resolve_max_tokens(
     except ValueError as exc:
         raise RequestRejected(str(exc), "invalid_request") from exc
     return max_tokens
+
+
+def check_pooling_prompt(limits: AdmissionLimits, num_prompt_tokens: int, caps: RequestCaps = NO_CAPS) -> None:
+    """A pooling request's prompt (it generates nothing): within the caps and the engine's limits, else
+    RequestRejected."""
+    _check_prompt_cap(num_prompt_tokens, caps)
+    if num_prompt_tokens > limits.max_model_len:
+        raise RequestRejected(
+            f"the input has {num_prompt_tokens} tokens, more than the model's context ({limits.max_model_len}).",
+            "input_too_long",
+            "input",
+        )
+    try:
+        limits.check(num_prompt_tokens, 0)
+    except ValueError as exc:
+        raise RequestRejected(str(exc), "invalid_request", "input") from exc
+
+
+def _check_prompt_cap(num_prompt_tokens: int, caps: RequestCaps) -> None:
+    if caps.max_prompt_tokens is not None and num_prompt_tokens > caps.max_prompt_tokens:
+        raise RequestRejected(
+            f"the prompt has {num_prompt_tokens} tokens; this server accepts at most {caps.max_prompt_tokens}.",
+            "prompt_too_long",
+            "prompt",
+        )

@@ -24,6 +24,11 @@ _MODELS: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma:GemmaForCausalLM",
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
     "Olmo2ForCausalLM": "olmo2:Olmo2ForCausalLM",
+    # The causal LM's body with a `score` head on the last token (no LM head): pooling requests only.
+    "LlamaForSequenceClassification": "classifier:LlamaForSequenceClassification",
+    "MistralForSequenceClassification": "classifier:LlamaForSequenceClassification",
+    "Qwen2ForSequenceClassification": "classifier:LlamaForSequenceClassification",
+    "Qwen3ForSequenceClassification": "classifier:LlamaForSequenceClassification",
 }
 
 # config.json "model_type" -> architecture, for configs that name no architecture
@@ -41,6 +46,11 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
 }
+
+
+def is_classifier(hf_config: Any) -> bool:
+    """Whether the config's model is a *ForSequenceClassification one: it scores, never generates."""
+    return (architecture_of(hf_config) or "").endswith("ForSequenceClassification")
 
 
 def supported_architectures() -> list[str]:

@@ -92,6 +92,8 @@ class KVCacheManager:
             # Prompt logprobs need the logits of every prompt position: a hit would skip some. (Of n
             # samples only the first asks for them; the others hit the blocks it leaves cached.)
             return [], 0
+        if request.pooling_params is not None and request.pooling_params.needs_every_token:
+            return [], 0  # mean or first-token pooling reads the hidden state of positions a hit would skip
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[Block] = []

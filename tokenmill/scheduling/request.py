@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -39,6 +40,9 @@ class Request:
     # Mixed into the hash of the first block (later blocks chain from it): requests with different
     # salts never share prefix-cache blocks, those with the same salt do. None: no salt.
     cache_salt: str | None = None
+    # A pooling request (an embedding, a classification): prefilled, never samples, and finishes with
+    # its pooled hidden state once the prompt is computed.
+    pooling_params: PoolingParams | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -80,6 +84,11 @@ class Request:
         # None is resolved by the engine before the request reaches the scheduler.
         assert self.sampling_params.max_tokens is not None
         return self.sampling_params.max_tokens
+
+    @property
+    def num_reserved_tokens(self) -> int:
+        """Tokens past the prompt the request may need room for: none for a pooling request."""
+        return 0 if self.pooling_params is not None else self.max_tokens
 
     def prompt_done(self) -> bool:
         return self.num_computed_tokens >= self.num_prompt_tokens

@@ -112,7 +112,7 @@ class Scheduler:
         self.limits.check(num_prompt_tokens, max_tokens)
 
     def add_request(self, request: Request) -> None:
-        self.check_fits(request.num_prompt_tokens, request.max_tokens)
+        self.check_fits(request.num_prompt_tokens, request.num_reserved_tokens)
         if request.req_id in self.requests:
             raise ValueError(f"request id {request.req_id!r} is already in use.")
         self.requests[request.req_id] = request
@@ -286,6 +286,7 @@ class Scheduler:
                     block_ids=new_block_ids,
                     num_computed_tokens=num_cached,
                     group_block_ids=self.kv_cache.new_group_block_ids,
+                    pooling_params=request.pooling_params,
                 )
             )
             budget -= num_new
@@ -307,11 +308,17 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         now = time.monotonic()
+        pooled = runner_output.pooled
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += n
+            if pooled and req_id in pooled:  # a pooling request ends with its prompt: its blocks go back now
+                request.first_token_time = now
+                outputs.append(EngineCoreOutput(req_id, [], finish_reason="stop", pooled=pooled[req_id]))
+                self.finish_request(req_id, RequestStatus.FINISHED_STOPPED)
+                continue
             prompt_lps = runner_output.prompt_logprobs.get(req_id)
             tokens = runner_output.sampled_token_ids.get(req_id)
             if not tokens:

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 _SEED_STRIDE = 1_000_003
@@ -29,6 +30,9 @@ class RunnerRequestState:
     # The distributions its proposed drafts were drawn from, [num_drafts, vocab] (a draft model's
     # sampled drafts); None: the drafts are guesses without one.
     draft_probs: torch.Tensor | None = None
+    # A pooling request: never samples; `pooled` gathers its pooled rows over its prompt chunks.
+    pooling_params: PoolingParams | None = None
+    pooled: torch.Tensor | None = None  # [hidden] float32: the MEAN sum so far, or the CLS row
 
     def position_seed(self, offset: int, salt: int = 0) -> int:
         """A seeded request's seed for the position `offset` tokens after its last one: its samples
@@ -66,10 +70,12 @@ def build_step_batch(
     block_size: int,
     device: torch.device,
     drafts: list[list[int]] | None = None,
+    pooling: bool = False,
 ) -> StepBatch:
     """Flatten the scheduled tokens of every request into one batch. `drafts[i]`: the draft tokens request
-    i verifies, scheduled after its committed tokens (None: no drafts this step)."""
-    if drafts is not None:
+    i verifies, scheduled after its committed tokens (None: no drafts this step). `pooling`: some request
+    pools (it never samples, so the decode batch, where every row samples, cannot hold it)."""
+    if drafts is not None or pooling:
         return _mixed_batch(states, num_scheduled, block_size, device, drafts)
     if all(n == 1 for n in num_scheduled) and all(s.num_computed_tokens + 1 == len(s.token_ids) for s in states):
         return _decode_batch(states, block_size, device)
@@ -109,7 +115,7 @@ def _mixed_batch(
         draft = drafts[i] if drafts is not None else []
         tokens = state.token_ids + draft if draft else state.token_ids
         input_ids[qsl[i] : qsl[i + 1]] = tokens[start:end]
-        if end == len(tokens):
+        if end == len(tokens) and state.pooling_params is None:
             sample_req_ids.append(state.req_id)
             sample_drafts.append(draft)
             # Every verified position samples: the last committed token's row and each draft's.

@@ -30,6 +30,7 @@ from tokenmill.worker.draft_loader import load_draft_model
 from tokenmill.worker.input_batch import RunnerRequestState, StepBatch, build_step_batch
 from tokenmill.worker.model_interface import CausalLM
 from tokenmill.worker.model_loader import load_model
+from tokenmill.worker.pooler import pool_step
 from tokenmill.worker.spec_verify import accepted_tokens, verify_metadata
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,9 @@ class ModelRunner:
         self._meta: SamplingMetadata | None = None
         self._meta_states: list[RunnerRequestState] = []
         self.states: dict[str, RunnerRequestState] = {}
+        self.pooling_ids: set[str] = set()  # the pooling requests among the states
+        # A *ForSequenceClassification model's head, for pooling requests that classify.
+        self.classifier_head = getattr(module, "score", None)
         self.kv_caches: list[torch.Tensor] = []
         # Speculative decoding: proposes each sampling request's drafts for the next step.
         self.draft: CausalLM | None = None
@@ -243,6 +247,7 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> list[RunnerRequestState]:
         for req_id in sched.finished_req_ids:
             self.states.pop(req_id, None)
+            self.pooling_ids.discard(req_id)
             self.structured.remove_request(req_id)
             if self.proposer is not None:
                 self.proposer.remove_request(req_id)
@@ -259,7 +264,10 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 group_block_ids=[list(ids) for ids in new.group_block_ids],
                 generator=torch.Generator(self.device) if params.seed is not None else None,
+                pooling_params=new.pooling_params,
             )
+            if new.pooling_params is not None:
+                self.pooling_ids.add(new.req_id)
         for cached in sched.cached_requests:
             state = self.states[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -278,9 +286,13 @@ class ModelRunner:
         num_scheduled = [sched.num_scheduled_tokens[s.req_id] for s in states]
         spec = sched.scheduled_spec_tokens
         drafts = [spec.get(s.req_id, []) for s in states] if spec else None
-        batch = build_step_batch(states, num_scheduled, self.block_size, self.device, drafts)
+        pooling = bool(self.pooling_ids) and not self.pooling_ids.isdisjoint(sched.num_scheduled_tokens)
+        batch = build_step_batch(states, num_scheduled, self.block_size, self.device, drafts, pooling)
         hidden = self._forward(batch)  # [num_tokens, hidden]
         output = ModelRunnerOutput(sampled_token_ids={})
+        if pooling:
+            qsl = batch.attn_metadata.query_start_loc_cpu
+            output.pooled = pool_step(hidden, states, qsl, self.classifier_head)
         if batch.prompt_logprob_rows:
             output.prompt_logprobs = self._prompt_logprobs(hidden, batch)
         if batch.sample_req_ids:
