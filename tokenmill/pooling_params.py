@@ -45,3 +45,15 @@ def truncate_embedding(embedding: list[float], dimensions: int | None) -> list[f
     head = embedding[:dimensions]
     norm = math.sqrt(sum(x * x for x in head))
     return [x / norm for x in head] if norm > 0 else head
+
+
+def score_logit(logits: list[float] | None) -> float:
+    """A one-label classifier's score: its logit (what transformers' model returns)."""
+    if not logits or len(logits) != 1:
+        raise ValueError(f"scoring needs a classifier with one label; this one has {len(logits or [])}.")
+    return logits[0]
+
+
+def cosine(a: list[float] | None, b: list[float] | None) -> float:
+    """The cosine similarity of two L2-normalized embeddings: their dot product."""
+    return sum(x * y for x, y in zip(a or [], b or []))

@@ -20,7 +20,7 @@ from tokenmill.engine.pooling_config import ModelPooling
 from tokenmill.engine.request_metrics import merge_request_metrics
 from tokenmill.loader.hf import load_tokenizer
 from tokenmill.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput, ScoringOutput
-from tokenmill.pooling_params import PoolingTask, truncate_embedding
+from tokenmill.pooling_params import PoolingTask, cosine, score_logit, truncate_embedding
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduling.request import Request, RequestStatus
 from tokenmill.structured.llguidance_backend import llguidance_grammars
@@ -238,18 +238,6 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
             raise ValueError("a prompt must be a string or a list of token ids, got int.")
         prompt_list.append(item)
     return prompt_list
-
-
-def score_logit(logits: list[float] | None) -> float:
-    """A one-label classifier's score: its logit (what transformers' model returns)."""
-    if not logits or len(logits) != 1:
-        raise ValueError(f"scoring needs a classifier with one label; this one has {len(logits or [])}.")
-    return logits[0]
-
-
-def cosine(a: list[float] | None, b: list[float] | None) -> float:
-    """The cosine similarity of two L2-normalized embeddings: their dot product."""
-    return sum(x * y for x, y in zip(a or [], b or []))
 
 
 T = TypeVar("T")
