@@ -30,6 +30,7 @@ GROUPS = {
     "observability": "observability: logs, traces, metrics and the dashboard",
     "models": "models: several models behind one endpoint (requests pick one by `model`)",
     "tools": "tools: tool calls in free text",
+    "batch": "batch: the Batch API's files and its runner",
 }
 CONFIG_FLAG = "--config"
 

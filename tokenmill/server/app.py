@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tokenmill
 from tokenmill.server import embeddings
+from tokenmill.server import batches
 from tokenmill.server.audit import AuditLog, AuditMiddleware
 from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
@@ -30,6 +31,7 @@ from tokenmill.server.config import ServerState
 from tokenmill.server.dashboard import Dashboard
 from tokenmill.server.dashboard.errors import ErrorTrackerMiddleware
 from tokenmill.server.errors import APIError, error_body, install_error_handlers
+from tokenmill.server.files import UPLOAD_PATH, upload_body_limit
 from tokenmill.server.hosts import HostMiddleware, allowed_hosts
 from tokenmill.server.pool.admin import ADMIN_PREFIX, admin_router
 from tokenmill.server.pool.listing import model_cards
@@ -113,6 +115,7 @@ def build_app(state: ServerState) -> FastAPI:
             return await create_chat_completion(target, body, request, request_key(request.scope))
 
     # The other API families (Responses, Anthropic Messages, embeddings, files and batches): one router each.
+    app.include_router(batches.router(state))
     app.include_router(embeddings.router(state))
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
@@ -165,7 +168,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     # The last added runs first: keys are checked before any body is read.
     public = _PUBLIC_PATHS | {"/metrics"} if state.config.metrics_public else _PUBLIC_PATHS
-    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes)  # type: ignore[arg-type]
+    app.add_middleware(
+        BodyLimitMiddleware,  # type: ignore[arg-type]
+        max_bytes=state.config.max_body_bytes,
+        upload_bytes=upload_body_limit(state),
+    )
     if state.config.body_read_timeout_s is not None:  # bounds the body limit's read of the body
         app.add_middleware(ReadDeadlineMiddleware, timeout_s=state.config.body_read_timeout_s)  # type: ignore[arg-type]
     app.add_middleware(AuthMiddleware, state=state, public_paths=public)  # type: ignore[arg-type]
@@ -231,15 +238,18 @@ class BodyLimitMiddleware:
     """Reads the request body (up to `max_bytes`, else 413) before the app sees it, then replays it;
     later `receive()` calls go to the server, so disconnects are still seen."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, upload_bytes: int) -> None:
+        self.app, self.max_bytes, self.upload_bytes = app, max_bytes, upload_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        # File uploads (the Batch API's input) have their own, larger limit.
+        upload = scope["path"] == UPLOAD_PATH and scope["method"] == "POST"
+        max_bytes = self.upload_bytes if upload else self.max_bytes
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        too_large = f"the request body is larger than this server's limit of {self.max_bytes} bytes."
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+        too_large = f"the request body is larger than this server's limit of {max_bytes} bytes."
+        if length is not None and (not length.isdigit() or int(length) > max_bytes):
             return await _send_error(
                 send,
                 413 if length.isdigit() else 400,
@@ -253,7 +263,7 @@ class BodyLimitMiddleware:
                 return  # the client left before sending its body
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_bytes:
+            if size > max_bytes:
                 return await _send_error(send, 413, too_large, "request_too_large")
             chunks.append(chunk)
             if not message.get("more_body", False):

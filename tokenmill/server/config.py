@@ -336,6 +336,22 @@ class ServerConfig:
     )
     # Several models beside the default one (--registry, --extra-model), loaded on demand: PoolConfig's flags
     models: PoolConfig = field(default_factory=PoolConfig)
+    # The Batch API (files.py, batches.py, batch_runner.py)
+    files_dir: str | None = setting(
+        None,
+        group="batch",
+        metavar="DIR",
+        help="where uploaded files, batch outputs and batch state are kept (they survive restarts; unfinished "
+        "batches resume); default: $XDG_STATE_HOME/tokenmill/files, else ~/.local/state/tokenmill/files",
+    )
+    max_file_bytes: int = setting(200 << 20, group="batch", metavar="BYTES", help="largest uploaded file (200 MB)")
+    batch_max_in_flight: int = setting(
+        4,
+        group="batch",
+        metavar="N",
+        help="batch lines running at once; they are queued only while no online request waits, at the lowest "
+        "priority, so online traffic goes first",
+    )
 
     def __post_init__(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
@@ -367,6 +383,8 @@ class ServerConfig:
             raise ValueError("--cost-per-hour must not be negative")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
+        if self.max_file_bytes < 1 or self.batch_max_in_flight < 1:
+            raise ValueError("--max-file-bytes and --batch-max-in-flight must be at least 1")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}")
 

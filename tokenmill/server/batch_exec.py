@@ -1,0 +1,112 @@
+"""One Batch API line run in-process, without HTTP, through the route's own pieces (prepare -> admit ->
+finish -> the unstreamed reply), so its body is what the online route answers for the same request."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+import typing
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from tokenmill.server.admission import admit
+from tokenmill.server.batch_lines import BatchLine
+from tokenmill.server.chat import chat_response, prepare_chat
+from tokenmill.server.completions import completion_response, prepare_completion
+from tokenmill.server.config import ServerState
+from tokenmill.server.errors import INTERNAL_ERROR_MESSAGE, APIError, error_body
+from tokenmill.server.pool.pool import state_for_model
+from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, new_id
+from tokenmill.server.streaming import finish
+
+logger = logging.getLogger(__name__)
+
+# The lowest priority a request can have (lower runs first): with --scheduling-policy priority, every
+# online request is scheduled before a batch line, and batch lines are preempted first.
+BATCH_PRIORITY = (1 << 31) - 1
+
+
+class RetryLater(Exception):
+    """The server is full (a 429 or a 503 that passes): the line runs again later, it has not failed."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"retry in {seconds} s")
+        self.seconds = seconds
+
+
+async def run_line(state: ServerState, key: str, line: BatchLine, priority: int = BATCH_PRIORITY) -> tuple[int, Any]:
+    """The line's (status code, response body); RetryLater when the server is momentarily full."""
+    try:
+        if line.url == "/v1/chat/completions":
+            return 200, await _chat(state, key, ChatCompletionRequest.model_validate(line.body), priority)
+        if line.url == "/v1/completions":
+            return 200, await _completion(state, key, CompletionRequest.model_validate(line.body), priority)
+        return 200, await _embeddings(state, key, line.body)
+    except ValidationError as exc:
+        return 400, error_body(400, _validation_message(exc), "invalid_request")
+    except APIError as exc:
+        if exc.status == 429 or (exc.status == 503 and exc.code not in ("engine_dead", "shutting_down")):
+            raise RetryLater(float(exc.headers.get("Retry-After", "1"))) from exc
+        return exc.status, exc.body()
+    except Exception:
+        logger.exception("a batch line (custom_id %r) failed", line.custom_id)
+        return 500, error_body(500, INTERNAL_ERROR_MESSAGE, "internal_error")
+
+
+def _no_stream(stream: bool | None) -> None:
+    if stream:
+        raise APIError(400, "stream is not supported in a batch: its results go to the output file.", "invalid_request")
+
+
+async def _chat(state: ServerState, key: str, body: ChatCompletionRequest, priority: int) -> Any:
+    _no_stream(body.stream)
+    async with state_for_model(state, body.model, key) as target:
+        request_id = new_id("chatcmpl")
+        with target.limiter.charging_refusals(key):
+            prepared, plan = await prepare_chat(target, body, key, request_id)
+            _lower(prepared.children, priority)
+            job = admit(target, key, [prepared], time.monotonic(), body)
+        await finish(target, job, None)
+        return chat_response(target, body, plan, job, request_id).model_dump()
+
+
+async def _completion(state: ServerState, key: str, body: CompletionRequest, priority: int) -> Any:
+    _no_stream(body.stream)
+    async with state_for_model(state, body.model, key) as target:
+        request_id = new_id("cmpl")
+        with target.limiter.charging_refusals(key):
+            prepared = await prepare_completion(target, body, key, request_id)
+            for p in prepared:
+                _lower(p.children, priority)
+            job = admit(target, key, prepared, time.monotonic(), body)
+        await finish(target, job, None)
+        return completion_response(target, body, prepared, job, request_id).model_dump()
+
+
+def _lower(children: list[Any], priority: int) -> None:
+    for child in children:
+        child.priority = priority
+
+
+async def _embeddings(state: ServerState, key: str, raw: dict[str, Any]) -> Any:
+    """Through embeddings.py's `embeddings_response`, found at run time: the embeddings route may be
+    absent from this build, and then the line gets a clear error instead of the whole batch failing."""
+    handler: Callable[[ServerState, Any, str], Awaitable[BaseModel]] | None = None
+    try:
+        handler = getattr(importlib.import_module("tokenmill.server.embeddings"), "embeddings_response", None)
+    except ModuleNotFoundError:
+        pass
+    if handler is None:
+        raise APIError(400, "this server does not serve /v1/embeddings.", "unsupported_endpoint")
+    request_type = typing.get_type_hints(handler)["body"]
+    response = await handler(state, request_type.model_validate(raw), key)
+    return response.model_dump()
+
+
+def _validation_message(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first.get("loc", ()))
+    return f"{first.get('msg', 'invalid value')}{f' at {where}' if where else ''}."
