@@ -22,8 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tokenmill
-from tokenmill.server import embeddings
-from tokenmill.server import batches
+from tokenmill.server import batches, embeddings
 from tokenmill.server.audit import AuditLog, AuditMiddleware
 from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
