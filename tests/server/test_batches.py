@@ -128,6 +128,15 @@ def test_failed_lines_go_to_the_error_file(client: openai.OpenAI) -> None:
     assert "max_tokens" in bad["response"]["body"]["error"]["message"]
 
 
+def test_an_embeddings_batch_answers_as_the_route(client: openai.OpenAI) -> None:
+    body = {"model": MODEL_NAME, "input": ["Hello world", "The quick brown fox"], "encoding_format": "float"}
+    line = {"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": body}
+    done = wait_for(client, start_batch(client, [line], "/v1/embeddings").id, ("completed",))
+    [result] = output_lines(client, done.output_file_id)
+    online = client.embeddings.with_raw_response.create(**body).http_response.json()
+    assert result["response"]["body"]["data"] == online["data"]
+
+
 def test_another_key_sees_nothing(client: openai.OpenAI, other: openai.OpenAI) -> None:
     batch = start_batch(client, [chat_line("a", "hi")])
     with pytest.raises(openai.NotFoundError):

@@ -3,20 +3,19 @@ finish -> the unstreamed reply), so its body is what the online route answers fo
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
-import typing
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from tokenmill.server.admission import admit
 from tokenmill.server.batch_lines import BatchLine
 from tokenmill.server.chat import chat_response, prepare_chat
 from tokenmill.server.completions import completion_response, prepare_completion
 from tokenmill.server.config import ServerState
+from tokenmill.server.embeddings import embeddings_response
+from tokenmill.server.embeddings_protocol import EmbeddingRequest
 from tokenmill.server.errors import INTERNAL_ERROR_MESSAGE, APIError, error_body
 from tokenmill.server.pool.pool import state_for_model
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, new_id
@@ -44,11 +43,11 @@ async def run_line(state: ServerState, key: str, line: BatchLine, priority: int 
             return 200, await _chat(state, key, ChatCompletionRequest.model_validate(line.body), priority)
         if line.url == "/v1/completions":
             return 200, await _completion(state, key, CompletionRequest.model_validate(line.body), priority)
-        return 200, await _embeddings(state, key, line.body)
+        return 200, await _embeddings(state, key, EmbeddingRequest.model_validate(line.body))
     except ValidationError as exc:
         return 400, error_body(400, _validation_message(exc), "invalid_request")
     except APIError as exc:
-        if exc.status == 429 or (exc.status == 503 and exc.code not in ("engine_dead", "shutting_down")):
+        if exc.status == 429 or (exc.status == 503 and exc.code != "engine_dead"):
             raise RetryLater(float(exc.headers.get("Retry-After", "1"))) from exc
         return exc.status, exc.body()
     except Exception:
@@ -91,19 +90,10 @@ def _lower(children: list[Any], priority: int) -> None:
         child.priority = priority
 
 
-async def _embeddings(state: ServerState, key: str, raw: dict[str, Any]) -> Any:
-    """Through embeddings.py's `embeddings_response`, found at run time: the embeddings route may be
-    absent from this build, and then the line gets a clear error instead of the whole batch failing."""
-    handler: Callable[[ServerState, Any, str], Awaitable[BaseModel]] | None = None
-    try:
-        handler = getattr(importlib.import_module("tokenmill.server.embeddings"), "embeddings_response", None)
-    except ModuleNotFoundError:
-        pass
-    if handler is None:
-        raise APIError(400, "this server does not serve /v1/embeddings.", "unsupported_endpoint")
-    request_type = typing.get_type_hints(handler)["body"]
-    response = await handler(state, request_type.model_validate(raw), key)
-    return response.model_dump()
+async def _embeddings(state: ServerState, key: str, body: EmbeddingRequest) -> Any:
+    # Its priority is the request's own (0 unless the key may set one): the idle gate still holds it back.
+    async with state_for_model(state, body.model, key) as target:
+        return (await embeddings_response(target, body, key)).model_dump()
 
 
 def _validation_message(exc: ValidationError) -> str:
