@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tokenmill
-from tokenmill.server import batches, embeddings
+from tokenmill.server import batches, embeddings, responses
 from tokenmill.server.audit import AuditLog, AuditMiddleware
 from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
@@ -115,6 +115,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     # The other API families (Responses, Anthropic Messages, embeddings, files and batches): one router each.
     app.include_router(batches.router(state))
+    app.include_router(responses.router(state))
     app.include_router(embeddings.router(state))
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})

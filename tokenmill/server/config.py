@@ -336,6 +336,14 @@ class ServerConfig:
     )
     # Several models beside the default one (--registry, --extra-model), loaded on demand: PoolConfig's flags
     models: PoolConfig = field(default_factory=PoolConfig)
+    # The Responses API (responses.py): stored responses, kept in memory
+    response_store_size: int = setting(
+        1000,
+        group="limits",
+        metavar="N",
+        help="responses kept for GET /v1/responses/{id} and previous_response_id (store: true); past N the least "
+        "recently used is forgotten; 0: none kept",
+    )
     # The Batch API (files.py, batches.py, batch_runner.py)
     files_dir: str | None = setting(
         None,

@@ -1,0 +1,277 @@
+"""The Responses API through the official openai client, on the tiny random model with the Hermes-style
+tools template: the same greedy text as the chat route for the same conversation, the streamed event
+sequence, function calls and their outputs over previous_response_id, the store (per key, store: false,
+delete, cancel, background) and the errors a bad request gets."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from tests.server.conftest import MODEL_NAME, RunningServer, long_context_copy, run_server
+from tokenmill.server.config import ServerConfig
+
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL: Any = {"type": "function", "name": "get_weather", "description": "the weather", "parameters": CITY}
+GREEDY: Any = {"model": MODEL_NAME, "temperature": 0, "max_output_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def server(tool_chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    # The tool's JSON takes hundreds of the tiny tokenizer's tokens: a copy with a longer context.
+    model = long_context_copy(tool_chat_model, tmp_path_factory.mktemp("responses") / "model")
+    config = ServerConfig(tool_call_parser="hermes", api_keys=("key-a", "key-b"))
+    with run_server(model, config, max_model_len=1024, num_kv_blocks=256, max_num_batched_tokens=1024) as running:
+        yield running
+
+
+def _client(server: RunningServer, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> Iterator[openai.OpenAI]:
+    with _client(server, "key-a") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def other(server: RunningServer) -> Iterator[openai.OpenAI]:
+    with _client(server, "key-b") as c:
+        yield c
+
+
+def chat(client: openai.OpenAI, messages: list[Any], max_tokens: int = 8) -> Any:
+    return client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0, max_tokens=max_tokens)
+
+
+def test_text_is_the_chat_routes_greedy_text(client: openai.OpenAI) -> None:
+    out = client.responses.create(input="Hello there", instructions="Be brief.", **GREEDY)
+    reference = chat(client, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}])
+    assert out.id.startswith("resp_") and out.object == "response" and out.model == MODEL_NAME
+    assert out.output_text == reference.choices[0].message.content
+    assert [item.type for item in out.output] == ["message"] and out.output[0].id.startswith("msg_")
+    assert out.usage is not None and out.usage.input_tokens == reference.usage.prompt_tokens
+    assert out.usage.output_tokens == reference.usage.completion_tokens
+    assert out.usage.total_tokens == out.usage.input_tokens + out.usage.output_tokens
+    if reference.choices[0].finish_reason == "length":
+        assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert out.status == "completed"
+    assert out.instructions == "Be brief." and out.max_output_tokens == 8 and out.temperature == 0
+
+
+def test_stream_sends_the_documented_events_in_order(client: openai.OpenAI) -> None:
+    unstreamed = client.responses.create(input="Tell me a story", **GREEDY)
+    events = list(client.responses.create(input="Tell me a story", stream=True, **GREEDY))
+    kinds = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert deltas
+    middle = ["response.output_text.delta"] * len(deltas)
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *middle,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete" if unstreamed.status == "incomplete" else "response.completed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = next(e for e in events if e.type == "response.output_text.done")
+    final = events[-1].response
+    assert "".join(deltas) == done.text == final.output_text == unstreamed.output_text
+    assert events[0].response.id == final.id and final.usage.output_tokens == unstreamed.usage.output_tokens
+    assert client.responses.retrieve(final.id).output_text == final.output_text  # stored once finished
+
+
+def test_forced_function_call_then_its_output_over_previous_response_id(client: openai.OpenAI) -> None:
+    first = client.responses.create(
+        model=MODEL_NAME,
+        input="What is the weather in Paris?",
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=200,
+        extra_body={"seed": 3},
+    )
+    assert first.status == "completed"
+    [call] = first.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.id.startswith("fc_") and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), CITY)
+
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    second = client.responses.create(
+        previous_response_id=first.id, input=[result], tools=[WEATHER_TOOL], tool_choice="none", **GREEDY
+    )
+    # The chat route, given the same conversation, sees the same prompt and writes the same text.
+    assistant = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+        ],
+    }
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        assistant,
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"},
+    ]
+    reference = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        tools=[{"type": "function", "function": {k: v for k, v in WEATHER_TOOL.items() if k != "type"}}],
+        tool_choice="none",
+        temperature=0,
+        max_tokens=8,
+    )
+    assert second.usage.input_tokens == reference.usage.prompt_tokens
+    assert second.output_text == reference.choices[0].message.content
+    items = client.responses.input_items.list(second.id, order="asc").data
+    assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
+
+
+def test_streamed_function_call_assembles_in_the_sdks_stream_helper(client: openai.OpenAI) -> None:
+    request: Any = {
+        "model": MODEL_NAME,
+        "input": "What is the weather in Rome?",
+        "tools": [{**WEATHER_TOOL, "strict": True}],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 200,
+        "extra_body": {"seed": 4},
+    }
+    with client.responses.stream(**request) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    [call] = final.output
+    unstreamed = client.responses.create(**request).output[0]
+    assert call.type == unstreamed.type == "function_call" and call.arguments == unstreamed.arguments
+    assert call.parsed_arguments == json.loads(call.arguments)  # the SDK parses a strict tool's arguments
+
+
+def test_previous_response_id_carries_the_conversation(client: openai.OpenAI) -> None:
+    first = client.responses.create(input="Hi", **GREEDY)
+    second = client.responses.create(input="And then?", previous_response_id=first.id, **GREEDY)
+    reference = chat(
+        client,
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And then?"},
+        ],
+    )
+    assert second.usage.input_tokens == reference.usage.prompt_tokens > first.usage.input_tokens
+    assert second.output_text == reference.choices[0].message.content
+    assert second.previous_response_id == first.id
+
+
+def test_json_schema_text_format_gives_json_that_validates(client: openai.OpenAI) -> None:
+    out = client.responses.create(
+        model=MODEL_NAME,
+        input="Where to go?",
+        text={"format": {"type": "json_schema", "name": "trip", "schema": CITY, "strict": True}},
+        max_output_tokens=200,
+        extra_body={"seed": 1},
+    )
+    assert out.status == "completed"
+    jsonschema.validate(json.loads(out.output_text), CITY)
+
+
+def test_store_false_is_not_kept(client: openai.OpenAI) -> None:
+    out = client.responses.create(input="Hi", store=False, **{**GREEDY, "max_output_tokens": 1})
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(out.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(input="Hi", previous_response_id=out.id, **GREEDY)
+
+
+def test_another_key_sees_no_response_of_this_key(client: openai.OpenAI, other: openai.OpenAI) -> None:
+    out = client.responses.create(input="Hi", **{**GREEDY, "max_output_tokens": 1})
+    for attempt in (lambda: other.responses.retrieve(out.id), lambda: other.responses.delete(out.id)):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    with pytest.raises(openai.NotFoundError):
+        other.responses.create(input="Hi", previous_response_id=out.id, **GREEDY)
+    assert client.responses.retrieve(out.id).id == out.id
+
+
+def test_delete_then_get_is_not_found(client: openai.OpenAI) -> None:
+    out = client.responses.create(input="Hi", **{**GREEDY, "max_output_tokens": 1})
+    client.responses.delete(out.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(out.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(out.id)
+
+
+def test_a_finished_response_cannot_be_cancelled(client: openai.OpenAI) -> None:
+    out = client.responses.create(input="Hi", **{**GREEDY, "max_output_tokens": 1})
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(out.id)
+
+
+def test_background_response_is_polled_to_the_same_text(client: openai.OpenAI) -> None:
+    queued = client.responses.create(input="Tell me a story", background=True, **GREEDY)
+    assert queued.status in ("queued", "in_progress")
+    deadline = time.monotonic() + 30
+    while (out := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert out.output_text == client.responses.create(input="Tell me a story", **GREEDY).output_text
+
+
+def test_cancel_stops_a_background_response(client: openai.OpenAI) -> None:
+    queued = client.responses.create(input="Tell me a story", background=True, **{**GREEDY, "max_output_tokens": 500})
+    assert client.responses.cancel(queued.id).status == "cancelled"
+    deadline = time.monotonic() + 30
+    while (out := client.responses.retrieve(queued.id)).usage is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert out.status == "cancelled" and out.usage.output_tokens < 500
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"input": [{"type": "function_call_output", "call_id": "call_nope", "output": "x"}]}, "input"),
+        ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools.0"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+            "input.0.content.0",
+        ),
+        ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input.0"),
+        ({"input": "Hi", "tool_choice": "required"}, "tool_choice"),
+        ({"input": "Hi", "background": True, "store": False}, "store"),
+        ({"input": []}, "input"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_param(client: openai.OpenAI, kwargs: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL_NAME, max_output_tokens=1, **kwargs)
+    assert caught.value.status_code == 400 and caught.value.param == param
