@@ -256,6 +256,19 @@ def test_cancel_stops_a_background_response(client: openai.OpenAI) -> None:
     assert out.status == "cancelled" and out.usage.output_tokens < 500
 
 
+def test_cancel_ends_a_running_stream(client: openai.OpenAI) -> None:
+    events = iter(client.responses.create(input="Tell me a story", stream=True, **{**GREEDY, "max_output_tokens": 500}))
+    response_id = next(events).response.id
+    assert client.responses.retrieve(response_id).status == "in_progress"  # stored as it begins
+    next(e for e in events if e.type == "response.output_text.delta")
+    client.responses.cancel(response_id)
+    last = list(events)[-1]
+    assert last.type == "response.incomplete" and last.response.status == "cancelled"
+    stored = client.responses.retrieve(response_id)
+    assert stored.status == "cancelled" and stored.output_text == last.response.output_text
+    assert stored.usage.output_tokens < 500
+
+
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [

@@ -148,8 +148,13 @@ async def _create(
         if body.store:
             store.put(entry)
     if body.stream:
+
+        def closed() -> None:  # a client that left before the last event: its response is cancelled
+            if entry.abort is not None:
+                done(base.model_copy(update={"status": "cancelled"}))
+
         events = response_events(state, plan, job, base, done, lambda: entry.cancelled)
-        return EventStreamResponse(state, job, events)
+        return EventStreamResponse(state, job, events, closed)
     if body.background:
         entry.response = base.model_copy(update={"status": "queued"})
         task = asyncio.ensure_future(_run(state, chat, plan, job, entry, done))

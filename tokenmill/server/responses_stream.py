@@ -41,15 +41,16 @@ logger = logging.getLogger(__name__)
 
 
 class EventStreamResponse(StreamingResponse):
-    """Server-sent events that close their job however the stream ends (a client gone aborts it)."""
+    """Server-sent events that close their job however the stream ends (a client gone aborts it), then
+    call `closed` (even when the client left before the first event, and the events never began)."""
 
-    def __init__(self, state: ServerState, job: Job, events: AsyncIterator[str]) -> None:
+    def __init__(self, state: ServerState, job: Job, events: AsyncIterator[str], closed: Callable[[], None]) -> None:
         super().__init__(
             events,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **job.admission.headers},
         )
-        self.state, self.job = state, job
+        self.state, self.job, self.closed = state, job, closed
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         attach_job(scope, self.job)
@@ -57,6 +58,7 @@ class EventStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             close(self.state, self.job)
+            self.closed()
 
 
 class _Events:
@@ -79,7 +81,8 @@ async def response_events(
     done: Callable[[ResponseObject], None],
     cancelled: Callable[[], bool],
 ) -> AsyncIterator[str]:
-    """The events of one response; `done` gets the final response (to store it), however it ends."""
+    """The events of one response; `done` gets the final response (to store it) once the events end
+    (not when the client leaves first: the caller's `closed` sees to that)."""
     event = _Events()
     yield event("response.created", response=base.model_dump())
     yield event("response.in_progress", response=base.model_dump())
@@ -87,7 +90,6 @@ async def response_events(
     text: list[str] = []
     calls: list[dict[str, Any]] = []
     finish_reason: str | None = None
-    final: ResponseObject | None = None
     try:
         async for _, request_output in run_job(state, job):
             out = request_output.outputs[0]
@@ -132,24 +134,34 @@ async def response_events(
                 yield frame
             output.append(item)
         final = finished(base, status, output, job)
+        done(final)  # stored before the last event: a GET right after the stream sees it
         kind = "response.completed" if status == "completed" else "response.incomplete"
         yield event(kind, response=final.model_dump())
     except APIError as exc:
-        final = _failed(base, exc.code or "server_error", exc.message)
-        yield event("error", code=exc.code, message=exc.message, param=exc.param)
-        yield event("response.failed", response=final.model_dump())
+        for frame in _fail(event, base, done, exc.code, exc.message, exc.param):
+            yield frame
     except Exception:
         logger.exception("a streamed response failed")
-        final = _failed(base, "server_error", INTERNAL_ERROR_MESSAGE)
-        yield event("error", code="internal_error", message=INTERNAL_ERROR_MESSAGE, param=None)
-        yield event("response.failed", response=final.model_dump())
-    finally:
-        # A client that left mid-stream: what it got so far is stored as cancelled.
-        done(final if final is not None else base.model_copy(update={"status": "cancelled"}))
+        for frame in _fail(event, base, done, "internal_error", INTERNAL_ERROR_MESSAGE, None):
+            yield frame
 
 
-def _failed(base: ResponseObject, code: str, message: str) -> ResponseObject:
-    return base.model_copy(update={"status": "failed", "error": ResponseError(code=code, message=message)})
+def _fail(
+    event: _Events,
+    base: ResponseObject,
+    done: Callable[[ResponseObject], None],
+    code: str | None,
+    message: str,
+    param: str | None,
+) -> list[str]:
+    """An error after the stream began: an `error` event, then response.failed."""
+    error = ResponseError(code=code or "server_error", message=message)
+    failed = base.model_copy(update={"status": "failed", "error": error})
+    done(failed)
+    return [
+        event("error", code=code, message=message, param=param),
+        event("response.failed", response=failed.model_dump()),
+    ]
 
 
 def _open_message(event: _Events, message_id: str) -> list[str]:
