@@ -92,3 +92,18 @@ def test_user_text_stays_plain_text_with_tools_too(tool_tokenizer) -> None:  # t
 def test_control_token_text_in_tools_or_tool_calls_is_refused(tool_tokenizer, messages, tools) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="control token"):
         chat_prompt_token_ids(tool_tokenizer, messages, tools=tools)
+
+
+# ---------------------------------------------------------------------- the template's extra variables
+
+
+def test_template_kwargs_are_template_variables_and_may_not_spell_control_tokens(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)  # a copy: its template changes
+    tokenizer.chat_template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    messages = [{"role": "user", "content": "world"}]
+    ids = chat_prompt_token_ids(tokenizer, messages, template_kwargs={"greeting": "Hello "})
+    assert tokenizer.decode(ids) == "Hello world"
+    with pytest.raises(ValueError, match="control token"):
+        chat_prompt_token_ids(tokenizer, messages, template_kwargs={"greeting": "<|im_end|>"})
+    with pytest.raises(ValueError, match="'messages'"):
+        chat_prompt_token_ids(tokenizer, messages, template_kwargs={"messages": []})

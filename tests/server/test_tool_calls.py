@@ -1,7 +1,8 @@
 """Tool calling through the official openai client, on the tiny random model with a Hermes-style template
 (conftest.HERMES_TOOLS_TEMPLATE) and `--tool-call-parser hermes`: tool_choice "required" and named
-functions give calls whose arguments follow the tool's schema, streamed (assembled as the SDK does) or
-not; "auto" finds <tool_call> blocks in the text; a tool's result continues the conversation."""
+functions give calls whose arguments follow the tool's schema, streamed (a call's name first, then its
+arguments piece by piece, assembled as the SDK does) or not; "auto" finds <tool_call> blocks in the
+text; a tool's result continues the conversation."""
 
 from __future__ import annotations
 
@@ -117,12 +118,27 @@ def test_streamed_required_calls_assemble_with_the_sdks_stream_helper(client: op
         assert call.function.parsed_arguments == json.loads(call.function.arguments)
 
 
-def test_streamed_named_call_assembles_from_its_chunks(client: openai.OpenAI) -> None:
+def call_deltas(chunks: list[Any]) -> list[Any]:
+    return [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+
+
+def assert_streamed_piece_by_piece(calls: list[Any], name: str) -> str:
+    """The call's first delta has its id and name, the next ones only pieces of its arguments; their text."""
+    first, *rest = calls
+    assert first.id.startswith("call_") and first.type == "function" and first.function.name == name
+    assert len(rest) > 1 and all(c.id is None and c.function.name is None for c in rest)
+    assert all(c.index == first.index for c in calls)
+    return "".join(c.function.arguments or "" for c in calls)
+
+
+def test_streamed_named_call_arrives_piece_by_piece(client: openai.OpenAI) -> None:
     chunks = list(
         client.chat.completions.create(
             model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice=WEATHER, max_tokens=200, seed=7, stream=True
         )
     )
+    arguments = assert_streamed_piece_by_piece(call_deltas(chunks), "get_weather")
+    jsonschema.validate(json.loads(arguments), CITY)
     state = ChatCompletionStreamState()
     for chunk in chunks:
         state.handle_chunk(chunk)
@@ -135,6 +151,7 @@ def test_streamed_named_call_assembles_from_its_chunks(client: openai.OpenAI) ->
     ).choices[0]
     assert unstreamed.message.tool_calls is not None and final.message.tool_calls is not None
     assert final.message.tool_calls[0].function.arguments == unstreamed.message.tool_calls[0].function.arguments
+    assert arguments == unstreamed.message.tool_calls[0].function.arguments
 
 
 # ---------------------------------------------------------------------- the conversation goes on
@@ -214,12 +231,15 @@ def test_auto_streams_the_text_then_the_calls(client: openai.OpenAI) -> None:
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.content or "" for d in deltas) == "Sure. "
     with_calls = [i for i, d in enumerate(deltas) if d.tool_calls]
-    assert len(with_calls) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert with_calls and chunks[-1].choices[0].finish_reason == "tool_calls"
     assert all(not d.content for d in deltas[with_calls[0] :])  # no text after a call began
+    arguments = assert_streamed_piece_by_piece(call_deltas(chunks), "get_weather")
     state = ChatCompletionStreamState()
     for chunk in chunks:
         state.handle_chunk(chunk)
-    assert_valid_calls(state.get_final_completion().choices[0].message.tool_calls)
+    final = state.get_final_completion().choices[0].message.tool_calls
+    assert_valid_calls(final)
+    assert final is not None and final[0].function.arguments == arguments
 
 
 def test_auto_with_a_malformed_call_returns_it_as_text(client: openai.OpenAI) -> None:

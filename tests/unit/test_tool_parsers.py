@@ -1,5 +1,6 @@
 """Tool calls found in a model's free text (tool_choice "auto"): the Hermes and Llama 3 JSON formats,
-whole and streamed. Malformed calls come back as plain content, never as an error."""
+whole and streamed (a call's name, then its arguments piece by piece). Malformed calls come back as
+plain content, never as an error."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 
 import pytest
 
+from tokenmill.server.tool_output import ReplyStream
 from tokenmill.server.tool_parsers import (
     HermesParser,
     Llama3JsonParser,
@@ -15,6 +17,8 @@ from tokenmill.server.tool_parsers import (
     ToolCallStream,
     ToolParser,
 )
+from tokenmill.server.tool_stream import ArgumentsScanner, CallPiece, CallsScanner
+from tokenmill.server.tools import ToolPlan
 
 hermes, llama3 = HermesParser(), Llama3JsonParser()
 WEATHER = ParsedCall("get_weather", '{"city": "Paris"}')
@@ -161,3 +165,82 @@ def test_llama3_stream_sends_plain_text_at_once() -> None:
 def test_streamed_arguments_are_json_objects() -> None:
     _, _, calls = stream(hermes, HERMES_TEXTS[0], 3)
     assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris"}]
+
+
+# ---------------------------------------------------------------------- calls streamed piece by piece
+
+
+def call_pieces(pieces: list[CallPiece]) -> list[tuple[str, str]]:
+    """(name, arguments' text joined) per call, checking that each call's name comes in its first piece."""
+    calls: list[tuple[str, str]] = []
+    for piece in pieces:
+        if piece.name is not None:
+            assert piece.index == len(calls) and piece.arguments == ""
+            calls.append((piece.name, ""))
+        else:
+            name, arguments = calls[piece.index]
+            calls[piece.index] = (name, arguments + piece.arguments)
+    return calls
+
+
+TWO_CALLS = (
+    'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}r\\"is", "n": [1, {"x": 2.5}]}}\n'
+    '</tool_call>\n<tool_call>{"arguments": "{\\"zone\\": \\"CET\\"}", "name": "get_time"}</tool_call>'
+)
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 1000])
+def test_hermes_calls_stream_as_names_then_pieces_of_their_arguments(size: int) -> None:
+    s = ToolCallStream(hermes)
+    steps = [s.step(TWO_CALLS[i : i + size]) for i in range(0, len(TWO_CALLS), size)]
+    whole = hermes.parse(TWO_CALLS).calls
+    assert call_pieces([p for _, pieces in steps for p in pieces]) == [(c.name, c.arguments) for c in whole]
+    assert whole[1].arguments == '{"zone": "CET"}'  # arguments given as a JSON string: its text, whole
+    if size == 1:  # the first call's arguments came in many pieces, before its call ended
+        assert sum(1 for _, pieces in steps for p in pieces if p.index == 0 and p.name is None) > 10
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('[{"name": "a", "arguments": {"x": 12}}, {"name": "b"}]', [("a", '{"x": 12}'), ("b", "{}")]),
+        ('[{"arguments": {"y": [true]}, "name": "c"}]', [("c", '{"y": [true]}')]),  # the name after its arguments
+        (
+            '{"name": "d", "parameters": {"z": "}"}}; {"name": "e", "parameters": {}}',
+            [("d", '{"z": "}"}'), ("e", "{}")],
+        ),
+    ],
+)
+def test_json_sequences_of_calls_stream_piece_by_piece(text: str, expected: list[tuple[str, str]]) -> None:
+    scanner = CallsScanner()
+    assert call_pieces([p for char in text for p in scanner.feed(char)]) == expected
+
+
+def test_a_named_functions_output_streams_as_its_arguments_without_surrounding_space() -> None:
+    scanner = ArgumentsScanner("get_weather")
+    text = ' \n{"city": "Paris"} \n'
+    assert call_pieces([p for char in text for p in scanner.feed(char)]) == [("get_weather", '{"city": "Paris"}')]
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_a_reply_stream_sends_calls_as_pieces_or_whole_with_the_same_arguments(size: int) -> None:
+    plan = ToolPlan("auto", parser=hermes)
+    pieces, whole = ReplyStream(plan), ReplyStream(plan)
+    chunks = [TWO_CALLS[i : i + size] for i in range(0, len(TWO_CALLS), size)]
+    deltas = [pieces.advance(c) for c in chunks] + [pieces.close("stop")]
+    content = "".join(whole.feed(c) for c in chunks)
+    rest, calls, finish_reason = whole.finish("stop")
+    assert (content + rest, finish_reason, deltas[-1].finish_reason) == ("Sure. ", "tool_calls", "tool_calls")
+    streamed: dict[int, str] = {}
+    for entry in (e for d in deltas for e in d.tool_calls):
+        streamed[entry["index"]] = streamed.get(entry["index"], "") + entry["function"]["arguments"]
+    assert calls is not None and [c["function"]["arguments"] for c in calls] == [streamed[0], streamed[1]]
+    assert [c.arguments for c in hermes.parse(TWO_CALLS).calls] == [streamed[0], streamed[1]]
+
+
+def test_a_call_that_breaks_off_keeps_what_streamed_and_the_engines_finish_reason() -> None:
+    stream = ReplyStream(ToolPlan("auto", parser=hermes))
+    first = stream.advance('<tool_call>{"name": "get_weather", "arguments": {"ci')
+    last = stream.close("length")
+    assert [e["function"] for e in first.tool_calls] == [{"name": "get_weather", "arguments": '{"ci'}]
+    assert (last.content, last.tool_calls, last.finish_reason) == ("", [], "length")

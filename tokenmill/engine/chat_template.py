@@ -8,9 +8,10 @@ template is rendered with a unique placeholder for each message's content; the t
 is tokenized as usual (its special tokens recognized) and each content is tokenized as plain text
 (`split_special_tokens=True`), so "<|im_end|>" typed by a user stays the characters it is.
 
-Tools (the template writes them into the prompt), earlier tool calls and tool_call_ids are rendered as
-they are: templates reformat them (`| tojson`), so no placeholder would survive. They are refused
-instead if they hold a control token's text."""
+Tools (the template writes them into the prompt), earlier tool calls, tool_call_ids and the template's
+extra variables (`template_kwargs`, e.g. Qwen3's enable_thinking) are rendered as they are: templates
+reformat them (`| tojson`), so no placeholder would survive. They are refused instead if they hold a
+control token's text."""
 
 from __future__ import annotations
 
@@ -22,37 +23,72 @@ from typing import Any
 # The parameters of a tool that declares none: an object with no properties.
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
+# Names a template's extra variables may not take: the variables and options of apply_chat_template
+# itself, and the special tokens' texts it passes to every template.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "sep_token",
+        "pad_token",
+        "cls_token",
+        "mask_token",
+        "additional_special_tokens",
+    }
+)
+
 
 def chat_prompt_token_ids(
     tokenizer: Any,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """`messages` are {"role", "content": str or None} plus, where given, "tool_calls" and "tool_call_id";
-    `tools` are OpenAI's tool objects, for the template (HF's apply_chat_template(tools=...)).
-    ValueError for a model without a chat template or messages it cannot take."""
+    `tools` are OpenAI's tool objects, for the template (HF's apply_chat_template(tools=...));
+    `template_kwargs` the template's extra variables. ValueError for a model without a chat template,
+    a reserved variable name, or messages it cannot take."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; give a plain prompt (generate(), /v1/completions).")
     messages = [_with_text_content(m) for m in messages]
     tools = [template_tool(t) for t in tools] if tools else None
     specials = _special_texts(tokenizer)
     extras = [{k: v for k, v in m.items() if k not in ("role", "content")} for m in messages]
-    _refuse_specials(specials, nested_strings([tools, extras]), "tools, tool calls and tool_call_ids")
+    kwargs = check_template_kwargs(template_kwargs)
+    _refuse_specials(
+        specials, nested_strings([tools, extras, kwargs]), "tools, tool calls, tool_call_ids and template variables"
+    )
     nonce = secrets.token_hex(8)
     # Empty contents keep their own value: a template may test them ("if message.content").
     held = [i for i, m in enumerate(messages) if m["content"]]
     placeheld = [{**m, "content": f"\x00{nonce}:{i}\x00"} if m["content"] else m for i, m in enumerate(messages)]
     try:
         text = tokenizer.apply_chat_template(
-            placeheld, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            placeheld, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
     except Exception as exc:  # templates raise for conversations they do not support
         raise ValueError(f"the chat template rejected these messages: {exc}") from exc
     pieces = re.split(f"\x00{nonce}:([0-9]+)\x00", text)
     # pieces alternate: template text, message index, template text, ...
     if [int(i) for i in pieces[1::2]] != held:
-        return _fallback(tokenizer, specials, messages, add_generation_prompt, tools)
+        return _fallback(tokenizer, specials, messages, add_generation_prompt, tools, kwargs)
     ids: list[int] = []
     for i, piece in enumerate(pieces):
         if i % 2 == 0:
@@ -62,6 +98,15 @@ def chat_prompt_token_ids(
             content = messages[int(piece)]["content"]
             ids.extend(tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True))
     return ids
+
+
+def check_template_kwargs(template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The template's extra variables; ValueError naming one that is reserved."""
+    kwargs = dict(template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}: the server sets it.")
+    return kwargs
 
 
 def template_tool(tool: dict[str, Any]) -> dict[str, Any]:
@@ -94,12 +139,13 @@ def _fallback(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None,
+    kwargs: dict[str, Any],
 ) -> list[int]:
     """For templates that transform content (so placeholders do not survive): render the real text,
     after making sure no message carries a special token's text."""
     _refuse_specials(specials, (m["content"] for m in messages), "message content")
     text = tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
 

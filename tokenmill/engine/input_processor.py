@@ -98,10 +98,11 @@ class InputProcessor:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """A conversation's prompt token ids through the model's chat template (chat_template.py: the
         path the server takes too); ValueError if the model has none or the template refuses them."""
-        return chat_prompt_token_ids(self.tokenizer, messages, add_generation_prompt, tools)
+        return chat_prompt_token_ids(self.tokenizer, messages, add_generation_prompt, tools, template_kwargs)
 
     def process(
         self,

@@ -1,9 +1,11 @@
 """POST /v1/chat/completions: messages through the model's chat template, streamed or not; with tools,
-the reply's tool calls (tools.py, tool_output.py). A request goes parse (the body, its tools and
-constraint) -> prepare (the engine's shared preparation, prepare.py) -> admit -> stream or finish."""
+the reply's tool calls (tools.py, tool_output.py); with --reasoning-parser, its reasoning (reasoning.py).
+A request goes parse (the body, its tools and constraint) -> prepare (the engine's shared preparation,
+prepare.py) -> admit -> stream or finish."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,6 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from tokenmill.engine.chat_template import check_template_kwargs
 from tokenmill.engine.input_processor import PreparedRequest
 from tokenmill.outputs import TokenLogprobs
 from tokenmill.server.admission import admit
@@ -33,10 +36,11 @@ from tokenmill.server.protocol import (
     new_id,
     now,
 )
+from tokenmill.server.reasoning import PROMPT_TAIL_TOKENS
 from tokenmill.server.sampling import sampling_params
 from tokenmill.server.streaming import JobStreamingResponse, finish, sse
 from tokenmill.server.token_text import decoded, finite
-from tokenmill.server.tool_output import ReplyStream, whole_reply
+from tokenmill.server.tool_output import ReplyDelta, ReplyStream, whole_reply
 from tokenmill.server.tools import ToolPlan, plan_tools, template_message
 
 
@@ -65,7 +69,9 @@ def chat_response(
         choices.append(
             ChatChoice(
                 index=out.index,
-                message=AssistantMessage(content=reply.content, tool_calls=reply.tool_calls),
+                message=AssistantMessage(
+                    content=reply.content, tool_calls=reply.tool_calls, reasoning_content=reply.reasoning
+                ),
                 logprobs=_logprobs(state, out.token_ids, out.logprobs or [], top) if top is not None else None,
                 finish_reason=reply.finish_reason,
                 stop_reason=out.stop_reason,
@@ -78,7 +84,7 @@ async def prepare_chat(
     state: ServerState, body: ChatCompletionRequest, key: str, request_id: str
 ) -> tuple[PreparedRequest, ToolPlan]:
     """The conversation as an engine request, validated (APIError 400 for anything wrong), and what to
-    do with its tools; its size is checked before it is templated."""
+    do with its reply (its tools, its reasoning); its size is checked before it is templated."""
     state.check_model(body.model)
     state.check_accepting()
     _refuse_unsupported(body)
@@ -89,8 +95,13 @@ async def prepare_chat(
     plan = plan_tools(body, state.tool_parser)
     constraint = output_constraint(body, body.response_format, plan.schema)
     messages = [template_message(m) for m in body.messages]
-    check_messages_size(state, messages, plan.template_tools)
-    ids = await chat_token_ids(state, messages, body.add_generation_prompt, plan.template_tools)
+    template_kwargs = _template_kwargs(state, body)
+    check_messages_size(state, messages, plan.template_tools, template_kwargs)
+    ids = await chat_token_ids(state, messages, body.add_generation_prompt, plan.template_tools, template_kwargs)
+    if (parser := state.reasoning_parser) is not None:
+        # Whether the reply begins inside reasoning may hang on the prompt's end (an open <think>).
+        tail = state.engine.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]) if state.engine.tokenizer else ""
+        plan = dataclasses.replace(plan, reasoning=parser.for_reply(tail, constraint is not None))
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
     try:
@@ -99,6 +110,14 @@ async def prepare_chat(
         raise APIError(400, str(exc), "invalid_request") from exc
     priority, salt = state.priority(key, body.priority), state.cache_salt(key, body.cache_salt)
     return await prepare(state, request_id, None, ids, params, priority, salt, state.default_max_tokens), plan
+
+
+def _template_kwargs(state: ServerState, body: ChatCompletionRequest) -> dict[str, Any]:
+    """The template's extra variables: the server's (--chat-template-kwargs), then the request's."""
+    try:
+        return {**(state.config.chat_template_kwargs or {}), **check_template_kwargs(body.chat_template_kwargs)}
+    except ValueError as exc:
+        raise APIError(400, str(exc), "invalid_request", "chat_template_kwargs") from exc
 
 
 _REFUSED = {
@@ -192,25 +211,40 @@ async def _stream(
             if top is not None:
                 logprobs = _logprobs(state, out.token_ids[start:], (out.logprobs or [])[start:], top).model_dump()
             sent_tokens[out.index] = len(out.token_ids)
-            delta, finish_reason = _delta(plan, replies[out.index], out.delta_text, out.finish_reason)
+            reply = replies[out.index]
+            delta = reply.advance(out.delta_text)
             if out.finished:
+                delta = _joined(delta, reply.close(out.finish_reason))
                 done.add(out.index)
-            elif not delta and logprobs is None:
-                continue  # held back (a tool call may have begun)
-            yield chunk([{"index": out.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+            for piece in _deltas(plan, delta, out.finished, logprobs):
+                yield chunk([{"index": out.index, **piece}])
     if include_usage:
         yield chunk([], job.usage().model_dump())
 
 
-def _delta(
-    plan: ToolPlan, reply: ReplyStream, text: str, finish_reason: str | None
-) -> tuple[dict[str, Any], str | None]:
-    """A choice's delta for its new text, and its finish_reason (tool calls come whole, at the end)."""
-    content, tool_calls = reply.feed(text), None
-    if finish_reason is not None:
-        rest, tool_calls, finish_reason = reply.finish(finish_reason)
-        content += rest
-    delta: dict[str, Any] = {"content": content} if content or plan.mode == "none" else {}
-    if tool_calls:
-        delta["tool_calls"] = tool_calls
-    return delta, finish_reason
+def _joined(first: ReplyDelta, last: ReplyDelta) -> ReplyDelta:
+    return ReplyDelta(
+        first.reasoning + last.reasoning,
+        first.content + last.content,
+        first.tool_calls + last.tool_calls,
+        last.finish_reason,
+    )
+
+
+def _deltas(plan: ToolPlan, delta: ReplyDelta, finished: bool, logprobs: Any) -> list[dict[str, Any]]:
+    """A choice's chunks for a new piece of its output: its reasoning first, on its own, then its content
+    and tool calls (a choice's last chunk also carries its finish_reason). None for a piece held back (a
+    tool call may have begun) that neither ends the choice nor carries logprobs."""
+    deltas: list[dict[str, Any]] = [{"reasoning_content": delta.reasoning}] if delta.reasoning else []
+    answer: dict[str, Any] = {}
+    if delta.content or (plan.mode == "none" and not delta.reasoning):
+        answer["content"] = delta.content
+    if delta.tool_calls:
+        answer["tool_calls"] = delta.tool_calls
+    if answer or finished or (not deltas and logprobs is not None):
+        deltas.append(answer)
+    chunks = [{"delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+    if chunks:
+        chunks[0]["logprobs"] = logprobs
+        chunks[-1]["finish_reason"] = delta.finish_reason if finished else None
+    return chunks

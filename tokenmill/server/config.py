@@ -8,11 +8,13 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.chat_template import check_template_kwargs
 from tokenmill.metrics.prometheus import ServerMetrics
 from tokenmill.server.errors import APIError
+from tokenmill.server.reasoning import REASONING_PARSERS, ReasoningParser
 from tokenmill.server.security import ApiKeys, LoginThrottle, RateLimiter
 from tokenmill.server.tool_parsers import TOOL_PARSERS, ToolParser
 from tokenmill.settings import setting
@@ -27,6 +29,18 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 ACCESS_FILE = "access.json"  # in the registry's folder: API key -> the models it may use
+
+
+def parse_template_kwargs(value: str | dict[str, Any]) -> dict[str, Any]:
+    """`--chat-template-kwargs`: a JSON object (from the command line) or a mapping (from YAML)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"--chat-template-kwargs takes a JSON object: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError("--chat-template-kwargs takes a JSON object")
+    return check_template_kwargs(value)
 
 
 def parse_extra_model(value: str) -> tuple[str, str]:
@@ -361,6 +375,24 @@ class ServerConfig:
         "priority, so online traffic goes first",
     )
 
+    # Reasoning models and chat templates (reasoning.py, chat.py)
+    reasoning_parser: str | None = setting(
+        None,
+        group="tools",
+        choices=sorted(REASONING_PARSERS),
+        help="put the reply's <think> part in the chat message's reasoning_content (streamed as its own deltas); "
+        "qwen3: reasoning where the reply or the prompt opens <think> (not with enable_thinking false); "
+        "deepseek_r1: the reply starts in reasoning, up to </think>. Tool calls and constraints apply to the rest",
+    )
+    chat_template_kwargs: dict[str, Any] | None = setting(
+        None,
+        group="tools",
+        metavar="JSON",
+        parse=parse_template_kwargs,
+        help="extra variables for the chat template, e.g. '{\"enable_thinking\": false}'; a request's own "
+        "chat_template_kwargs take precedence",
+    )
+
     def __post_init__(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both, or neither")
@@ -395,6 +427,9 @@ class ServerConfig:
             raise ValueError("--max-file-bytes and --batch-max-in-flight must be at least 1")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
+        parse_template_kwargs(self.chat_template_kwargs or {})
 
     @property
     def tls(self) -> bool:
@@ -455,6 +490,11 @@ class ServerState:
     def tool_parser(self) -> ToolParser | None:
         name = self.config.tool_call_parser
         return None if name is None else TOOL_PARSERS[name]
+
+    @property
+    def reasoning_parser(self) -> ReasoningParser | None:
+        name = self.config.reasoning_parser
+        return None if name is None else REASONING_PARSERS[name]
 
     @property
     def max_tokens(self) -> int:

@@ -32,16 +32,19 @@ def check_prompt_size(state: ServerState, prompt: str | list[int]) -> None:
 
 
 def check_messages_size(
-    state: ServerState, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    state: ServerState,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> None:
     """Refuse (400) a conversation too long to fit, before templating it: every message takes at least
-    one token in any template, and its text (content, tool calls, the tools' strings) at least one
-    per MAX_CHARS_PER_TOKEN characters."""
+    one token in any template, and its text (content, tool calls, the tools' and the template
+    variables' strings) at least one per MAX_CHARS_PER_TOKEN characters."""
     cap = state.max_prompt_tokens
     if len(messages) > cap:
         raise _too_long(f"the conversation has {len(messages)} messages", cap, "messages")
     chars = sum(len(m["content"]) for m in messages)
-    chars += sum(len(s) for s in nested_strings([tools, [m.get("tool_calls") for m in messages]]))
+    chars += sum(len(s) for s in nested_strings([tools, [m.get("tool_calls") for m in messages], template_kwargs]))
     if chars > cap * MAX_CHARS_PER_TOKEN:
         raise _too_long(f"the messages hold {chars} characters", cap, "messages")
 
@@ -70,10 +73,14 @@ async def chat_token_ids(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """A conversation's prompt token ids through the model's chat template; one it rejects is a 400."""
+    """A conversation's prompt token ids through the model's chat template (with `template_kwargs`, its
+    extra variables); one it rejects is a 400."""
     try:
-        return await _off_loop(state, state.engine.inputs.chat_token_ids, messages, add_generation_prompt, tools)
+        return await _off_loop(
+            state, state.engine.inputs.chat_token_ids, messages, add_generation_prompt, tools, template_kwargs
+        )
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_messages", "messages") from exc
 

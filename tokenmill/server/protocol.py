@@ -6,8 +6,8 @@ ignored with one warning in the log per name (strict.py). OpenAI fields this ser
 (audio, predictions, web search, image parts) are declared, so that the handler refuses them by name.
 Extensions beyond OpenAI's fields follow vLLM: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
 `ignore_eos`, `priority`, `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`,
-`cache_salt`, `structured_outputs` and its older names `guided_json`, `guided_regex`, `guided_choice`,
-`guided_grammar`.
+`cache_salt`, `chat_template_kwargs`, `structured_outputs` and its older names `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`.
 
 Sampling fields a request leaves out (None here) take the model's defaults from its
 generation_config.json (see `--generation-config`), then OpenAI's."""
@@ -222,6 +222,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description='Extra variables for the chat template, e.g. {"enable_thinking": false} (over the server\'s '
+        "--chat-template-kwargs); the template's own (messages, tools, add_generation_prompt...) are refused.",
+    )
     response_format: ResponseFormat | None = Field(
         default=None, description="text (no constraint), json_object, or json_schema."
     )
@@ -337,6 +342,15 @@ class AssistantMessage(_Out):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    # With --reasoning-parser: the reply's reasoning; left out of the JSON otherwise, as in OpenAI's replies.
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")  # no return annotation: see UsageInfo
+    def _leave_out_no_reasoning(self, handler: SerializerFunctionWrapHandler):
+        data = handler(self)
+        if data.get("reasoning_content") is None:
+            data.pop("reasoning_content", None)
+        return data
 
 
 class ChatChoice(_Out):

@@ -12,16 +12,15 @@ gets what the model wrote, never an error."""
 
 from __future__ import annotations
 
-import json
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from tokenmill.server.tags import partial_tag
+from tokenmill.server.tool_json import DECODER, ParsedCall, call_from_text, skip_space
+from tokenmill.server.tool_stream import CallPiece, CallsScanner, HermesCallsScanner
 
-@dataclass(frozen=True)
-class ParsedCall:
-    name: str
-    arguments: str  # a JSON object's text
+__all__ = ["ParsedCall", "ParsedOutput", "ToolParser", "ToolCallStream", "TOOL_PARSERS"]
 
 
 @dataclass(frozen=True)
@@ -42,24 +41,9 @@ class ToolParser(ABC):
         the rest waits for the end of the output). Content released this way is always where
         `parse` of the whole output puts it: at the start of its content."""
 
-
-def call_from_json(value: object) -> ParsedCall | None:
-    """{"name": str, "arguments" (or "parameters"): an object, or its JSON text} as a call, else None."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except (ValueError, RecursionError):
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    try:
-        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)  # 1e999 parses as inf: not JSON
-    except (ValueError, RecursionError):
-        return None
-    return ParsedCall(value["name"], text)
+    def calls_scanner(self) -> CallsScanner:
+        """Finds the calls, as they stream, in what follows the point where `split` saw one begin."""
+        return CallsScanner()
 
 
 def _plain(text: str) -> ParsedOutput:
@@ -78,10 +62,7 @@ class HermesParser(ToolParser):
         calls: list[ParsedCall] = []
         last = 0
         for match in self._CALL.finditer(text):
-            try:
-                call = call_from_json(json.loads(match.group(1)))
-            except (ValueError, RecursionError):
-                call = None
+            call = call_from_text(match.group(1))
             if call is None:
                 return _plain(text)
             calls.append(call)
@@ -96,10 +77,10 @@ class HermesParser(ToolParser):
         if start >= 0:
             return start, True
         # Hold back an end of the text that may be the start tag's beginning ("<tool_").
-        for keep in range(min(len(self.START) - 1, len(pending)), 0, -1):
-            if self.START.startswith(pending[-keep:]):
-                return len(pending) - keep, False
-        return len(pending), False
+        return len(pending) - partial_tag(pending, self.START), False
+
+    def calls_scanner(self) -> CallsScanner:
+        return HermesCallsScanner()
 
 
 class Llama3JsonParser(ToolParser):
@@ -111,22 +92,21 @@ class Llama3JsonParser(ToolParser):
             rest = rest[len(self.TAG) :].lstrip()
         if not rest.startswith("{"):
             return _plain(text)
-        decoder = json.JSONDecoder()
         calls: list[ParsedCall] = []
         pos = 0
         try:
             while True:
-                value, pos = decoder.raw_decode(rest, pos)
-                call = call_from_json(value)
+                _, end = DECODER.raw_decode(rest, pos)
+                call = call_from_text(rest[pos:end])
                 if call is None:
                     return _plain(text)
                 calls.append(call)
-                pos = _skip_space(rest, pos)
+                pos = skip_space(rest, end)
                 if pos == len(rest):
                     return ParsedOutput(None, calls)
                 if rest[pos] != ";":
                     return _plain(text)
-                pos = _skip_space(rest, pos + 1)
+                pos = skip_space(rest, pos + 1)
         except (ValueError, RecursionError):
             return _plain(text)
 
@@ -141,22 +121,18 @@ class Llama3JsonParser(ToolParser):
         return len(pending), False
 
 
-def _skip_space(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    return pos
-
-
 TOOL_PARSERS: dict[str, ToolParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser()}
 
 
 class ToolCallStream:
     """One choice's streamed output under a parser: text streams as content until a tool call may
-    have begun; what follows is kept, and parsed when the output ends. Each delta is looked at once
-    (only a short held-back tail is looked at again), so the cost stays linear in the output."""
+    have begun; what follows goes to the parser's calls scanner (the calls' pieces as they come), and
+    is parsed whole when the output ends. Each delta is looked at a bounded number of times (only a
+    short held-back tail is looked at again), so the cost stays linear in the output."""
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
+        self.scanner = parser.calls_scanner()
         self.pieces: list[str] = []  # the whole output so far
         self.pending = ""  # not sent, not yet known to be content
         self.num_sent = 0  # characters sent as content
@@ -164,14 +140,18 @@ class ToolCallStream:
 
     def feed(self, delta: str) -> str:
         """The content to send now for this new piece of output."""
+        return self.step(delta)[0]
+
+    def step(self, delta: str) -> tuple[str, list[CallPiece]]:
+        """The content to send now for this new piece of output, and the calls' new pieces."""
         self.pieces.append(delta)
         if self.begun:
-            return ""
+            return "", self.scanner.feed(delta)
         self.pending += delta
         end, self.begun = self.parser.split(self.pending, self.num_sent == 0)
         piece, self.pending = self.pending[:end], self.pending[end:]
         self.num_sent += len(piece)
-        return piece
+        return piece, (self.scanner.feed(self.pending) if self.begun else [])
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """The content still to send, and the tool calls, once the output has ended."""

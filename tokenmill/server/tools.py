@@ -19,7 +19,9 @@ from tokenmill.engine.chat_template import NO_ARGUMENTS
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.server.protocol_tools import Tool
-from tokenmill.server.tool_parsers import ParsedCall, ToolParser, call_from_json
+from tokenmill.server.reasoning import Reasoning
+from tokenmill.server.tool_json import ParsedCall, arguments_text, array_items, call_from_text
+from tokenmill.server.tool_parsers import ToolParser
 
 _DEFS_KEYS = ("$defs", "definitions")
 
@@ -32,6 +34,8 @@ class ToolPlan:
     function: str | None = None  # the named function
     parallel: bool = True
     parser: ToolParser | None = None  # auto
+    # With --reasoning-parser, how the reply's reasoning is found (set once the prompt is known, chat.py)
+    reasoning: Reasoning | None = None
 
     @property
     def constrained(self) -> bool:
@@ -104,16 +108,12 @@ def required_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
 def constrained_calls(plan: ToolPlan, text: str) -> list[ParsedCall] | None:
     """The calls in an output constrained by `plan.schema`; None when it does not parse (a reply cut
     by max_tokens: it is returned as content)."""
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):
-        return None
     if plan.mode == "named":
-        return None if (call := call_from_json({"name": plan.function, "arguments": value})) is None else [call]
-    if not isinstance(value, list) or not value:
-        return None
-    calls = [call_from_json(item) for item in value]
-    return None if any(c is None for c in calls) else [c for c in calls if c is not None]
+        found = arguments_text(text)
+        return None if found is None or plan.function is None else [ParsedCall(plan.function, found)]
+    items = array_items(text)
+    calls = [call_from_text(item) for item in items or []]
+    return None if not calls or any(c is None for c in calls) else [c for c in calls if c is not None]
 
 
 def _template_tool(tool: Tool) -> dict[str, Any]:
