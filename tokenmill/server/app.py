@@ -22,14 +22,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tokenmill
-from tokenmill.server import batches, embeddings, responses
+from tokenmill.server import batches, embeddings, messages, responses
 from tokenmill.server.audit import AuditLog, AuditMiddleware
 from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
 from tokenmill.server.config import ServerState
 from tokenmill.server.dashboard import Dashboard
 from tokenmill.server.dashboard.errors import ErrorTrackerMiddleware
-from tokenmill.server.errors import APIError, error_body, install_error_handlers
+from tokenmill.server.errors import APIError, error_body, error_body_for, install_error_handlers
 from tokenmill.server.files import UPLOAD_PATH, upload_body_limit
 from tokenmill.server.hosts import HostMiddleware, allowed_hosts
 from tokenmill.server.pool.admin import ADMIN_PREFIX, admin_router
@@ -115,6 +115,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     # The other API families (Responses, Anthropic Messages, embeddings, files and batches): one router each.
     app.include_router(batches.router(state))
+    app.include_router(messages.router(state))
     app.include_router(responses.router(state))
     app.include_router(embeddings.router(state))
 
@@ -201,8 +202,10 @@ async def _log_throughput(state: ServerState) -> None:
             state.models.log_throughput()
 
 
-async def _send_error(send: Send, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
-    body = json.dumps(error_body(status, message, code)).encode()
+async def _send_error(
+    scope: Scope, send: Send, status: int, message: str, code: str, headers: dict[str, str] | None = None
+) -> None:
+    body = json.dumps(error_body_for(scope["path"], status, message, code)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
@@ -219,7 +222,11 @@ class AuthMiddleware:
         # The admin routes check the admin key themselves.
         if scope["type"] != "http" or scope["path"] in self.public or scope["path"].startswith(ADMIN_PREFIX):
             return await self.app(scope, receive, send)
-        auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        # Anthropic's clients send `x-api-key: KEY`, OpenAI's `Authorization: Bearer KEY`: the same keys.
+        headers = {k: v.decode("latin-1") for k, v in scope["headers"] if k in (b"authorization", b"x-api-key")}
+        auth = headers.get(b"authorization")
+        if auth is None and b"x-api-key" in headers:
+            auth = f"Bearer {headers[b'x-api-key']}"
         address = scope["client"][0] if scope.get("client") else ""
         try:
             if self.state.keys.enabled:
@@ -230,7 +237,7 @@ class AuthMiddleware:
                 self.state.throttle.failed(address)
                 raise
         except APIError as exc:
-            return await _send_error(send, exc.status, exc.message, exc.code or "", exc.headers)
+            return await _send_error(scope, send, exc.status, exc.message, exc.code or "", exc.headers)
         await self.app(scope, receive, send)
 
 
@@ -251,6 +258,7 @@ class BodyLimitMiddleware:
         too_large = f"the request body is larger than this server's limit of {max_bytes} bytes."
         if length is not None and (not length.isdigit() or int(length) > max_bytes):
             return await _send_error(
+                scope,
                 send,
                 413 if length.isdigit() else 400,
                 too_large if length.isdigit() else "bad Content-Length.",
@@ -264,7 +272,7 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > max_bytes:
-                return await _send_error(send, 413, too_large, "request_too_large")
+                return await _send_error(scope, send, 413, too_large, "request_too_large")
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break

@@ -1,7 +1,8 @@
 """Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the right status codes.
 
 Handlers raise `APIError`; the app turns it (and FastAPI's own validation and routing errors) into a
-JSON response here. Internal failures get a stable message: the details go to the server log only."""
+JSON response here; under /v1/messages in Anthropic's shape instead (anthropic_errors.py). Internal
+failures get a stable message: the details go to the server log only."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill.server.anthropic_errors import anthropic_error_body, is_anthropic_path
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +61,24 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
     }
 
 
+def error_body_for(
+    path: str, status: int, message: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """The error body in the shape of the API that `path` belongs to: Anthropic's under /v1/messages."""
+    if is_anthropic_path(path):
+        return anthropic_error_body(status, message)
+    return error_body(status, message, code, param)
+
+
 def error_response(
-    status: int, message: str, code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+    path: str = "",
 ) -> JSONResponse:
-    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
+    return JSONResponse(error_body_for(path, status, message, code, param), status_code=status, headers=headers)
 
 
 def sse_error(status: int, message: str, code: str | None = None) -> str:
@@ -85,23 +102,23 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.code, exc.param, exc.headers, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(400, message, "invalid_request", param)
+        return error_response(400, message, "invalid_request", param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         status = exc.status_code
         message = {404: "no such route; see /docs for the API.", 405: "method not allowed on this route."}.get(
             status, str(exc.detail)
         )
-        return error_response(status, message, None, None, dict(exc.headers or {}))
+        return error_response(status, message, None, None, dict(exc.headers or {}), request.url.path)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in a request handler", exc_info=exc)
-        return error_response(500, INTERNAL_ERROR_MESSAGE, "internal_error")
+        return error_response(500, INTERNAL_ERROR_MESSAGE, "internal_error", path=request.url.path)

@@ -54,7 +54,7 @@ class ApiKeys:
         if scheme.lower() != "bearer" or not given.strip():
             raise APIError(
                 401,
-                "missing API key: send the header 'Authorization: Bearer YOUR_KEY'.",
+                "missing API key: send the header 'Authorization: Bearer YOUR_KEY' (or 'x-api-key: YOUR_KEY').",
                 "invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
