@@ -1,4 +1,4 @@
-"""Command line: tokenmill generate | chat | serve | bench | models | plan | info."""
+"""Command line: tokenmill generate | chat | serve | run-batch | bench | models | plan | info."""
 
 from __future__ import annotations
 
@@ -133,8 +133,10 @@ def main(argv: list[str] | None = None) -> None:
         _add_unavailable_serve_parser(sub, exc)
     else:
         from tokenmill.fleet.cli import add_fleet_args
+        from tokenmill.server.run_batch_cli import add_run_batch_parser
 
         add_fleet_args(add_serve_parser(sub))
+        add_run_batch_parser(sub)
 
     from tokenmill.bench.cli import add_bench_parser
 
