@@ -16,6 +16,9 @@ import pytest
 from tests.server.conftest import CHATML, MODEL_NAME, RunningServer, make_chat_model, run_server
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.reasoning import REASONING_PARSERS, Reasoning, ReasoningStream
+from tokenmill.server.tool_output import ReplyStream, whole_reply
+from tokenmill.server.tool_parsers import TOOL_PARSERS
+from tokenmill.server.tools import ToolPlan
 
 qwen3, r1 = REASONING_PARSERS["qwen3"], REASONING_PARSERS["deepseek_r1"]
 OPENED, CLOSED = "<|im_start|>assistant\n<think>\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n"
@@ -63,6 +66,25 @@ def test_a_stream_holds_back_only_what_may_be_a_tag() -> None:
     assert stream.feed("Hmm </th") == ("Hmm ", "")
     assert stream.feed("ought") == ("</thought", "")
     assert stream.feed("</think>Paris") == ("", "Paris")
+
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_tool_calls_are_read_from_the_content_part_only(size: int) -> None:
+    plan = ToolPlan("auto", parser=TOOL_PARSERS["hermes"], reasoning=r1.for_reply("", False))
+    for text, reasoning, calls in [
+        (f"I will call it.</think>{CALL}", "I will call it.", 1),
+        (f"Not yet: {CALL}</think>Paris.", f"Not yet: {CALL}", 0),
+    ]:
+        whole = whole_reply(plan, text, "stop")
+        assert whole.reasoning == reasoning and len(whole.tool_calls or []) == calls
+        stream = ReplyStream(plan)
+        deltas = [stream.advance(text[i : i + size]) for i in range(0, len(text), size)] + [stream.close("stop")]
+        assert "".join(d.reasoning for d in deltas) == reasoning
+        assert "".join(d.content for d in deltas) == (whole.content or "")
+        assert len([e for d in deltas for e in d.tool_calls if "id" in e]) == calls
 
 
 # ---------------------------------------------------------------------- a server

@@ -244,3 +244,11 @@ def test_a_call_that_breaks_off_keeps_what_streamed_and_the_engines_finish_reaso
     last = stream.close("length")
     assert [e["function"] for e in first.tool_calls] == [{"name": "get_weather", "arguments": '{"ci'}]
     assert (last.content, last.tool_calls, last.finish_reason) == ("", [], "length")
+
+
+def test_a_call_whose_arguments_are_not_json_streams_as_the_content_it_is() -> None:
+    text = '<tool_call>{"name": "get_weather", "arguments": oops}</tool_call>'
+    stream = ReplyStream(ToolPlan("auto", parser=hermes))
+    deltas = [stream.advance(char) for char in text] + [stream.close("stop")]
+    assert "".join(d.content for d in deltas) == text and not any(d.tool_calls for d in deltas)
+    assert deltas[-1].finish_reason == "stop"

@@ -20,7 +20,7 @@ from tokenmill.engine.pooling_config import ModelPooling
 from tokenmill.engine.request_metrics import merge_request_metrics
 from tokenmill.loader.hf import load_tokenizer
 from tokenmill.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput, ScoringOutput
-from tokenmill.pooling_params import PoolingTask, cosine, score_logit, truncate_embedding
+from tokenmill.pooling_params import PoolingTask, check_dimensions, cosine, score_logit, truncate_embedding
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduling.request import Request, RequestStatus
 from tokenmill.structured.llguidance_backend import llguidance_grammars
@@ -99,13 +99,22 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         cache_salt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation (with `tools`, OpenAI's tool objects,
-        if given), then generate. Messages are tokenized as the server tokenizes them: text inside a
-        message that spells a control token stays text."""
+        and `chat_template_kwargs`, the template's extra variables such as enable_thinking, if given),
+        then generate. Messages are tokenized as the server tokenizes them: text inside a message that
+        spells a control token stays text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts: list[Prompt] = [
-            {"prompt_token_ids": self.inputs.chat_token_ids(conv, add_generation_prompt, tools)}  # type: ignore[arg-type]
+            {
+                "prompt_token_ids": self.inputs.chat_token_ids(
+                    conv,  # type: ignore[arg-type]
+                    add_generation_prompt,
+                    tools,
+                    chat_template_kwargs,
+                )
+            }
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
@@ -132,6 +141,7 @@ class LLM:
         """Each prompt's embedding: the final hidden state pooled as the model folder's
         sentence-transformers config says (else the last token), L2-normalized; with `dimensions`, its
         first values normalized again. The prompts are prefilled with any other traffic and keep no KV."""
+        check_dimensions(dimensions, self.pooling.hidden_size)
         results = self._pool(prompts, "embed", use_tqdm)
         return [
             EmbeddingOutput(r.request_id, r.prompt_token_ids, truncate_embedding(r.pooled or [], dimensions))

@@ -1,6 +1,6 @@
 """Tool calls found while their text streams, for `delta.tool_calls` as OpenAI sends them: a call's first
-piece carries its name as soon as the name is complete, the next pieces its arguments' text as the model
-writes it (tool_json.py: the pieces add up to the finished call's arguments).
+piece carries its name as soon as the name is complete and its arguments have begun, the next pieces its
+arguments' text as the model writes it (tool_json.py: the pieces add up to the finished call's arguments).
 
 Where a call object begins depends on the output's format: after a `<tool_call>` tag (hermes), at each
 `{` between calls of a JSON sequence (an array of calls for tool_choice "required", llama3_json's calls
@@ -81,13 +81,16 @@ class CallObject:
             return False
         if end == len(self.text) and isinstance(value, (int, float)) and not isinstance(value, bool):
             return False  # a number at the end of the text so far may go on
+        self.state, self.pos = then, end
         if then == "colon":
             self.key = value
-        elif self.key == "name" and isinstance(value, str):
-            self.name = value
-        elif self.key in ARGUMENT_KEYS and self.arguments is None and isinstance(value, str):
-            self.arguments = arguments_text(value)  # arguments given as a string of JSON: whole
-        self.state, self.pos = then, end
+        elif self.key == "name":
+            self.name = value if isinstance(value, str) else None
+            self.state = "key" if self.name is not None else "bad"
+        elif self.key in ARGUMENT_KEYS and self.arguments is None:
+            # Arguments given as a string holding an object's JSON: that text, whole; anything else is no call.
+            self.arguments = arguments_text(value) if isinstance(value, str) else None
+            self.state = "key" if self.arguments is not None else "bad"
         return True
 
     def _scan_arguments(self) -> bool:
@@ -153,7 +156,9 @@ class CallsScanner:
     def _pieces(self, call: CallObject, closed: bool) -> list[CallPiece]:
         pieces: list[CallPiece] = []
         if self.sent is None:
-            if call.name is None:
+            # The name goes out once the arguments have begun too: a call whose arguments do not even
+            # begin as JSON (the whole output is then content) sends nothing.
+            if call.name is None or (call.arguments is None and not closed):
                 return pieces
             pieces.append(CallPiece(self.num_calls, "", call.name))
             self.num_calls, self.sent = self.num_calls + 1, 0
