@@ -35,13 +35,18 @@ class PoolingParams:
         return self.pooling_type != "LAST"
 
 
+def check_dimensions(dimensions: int | None, hidden_size: int) -> None:
+    """ValueError unless `dimensions` (None: all) is in [1, hidden_size]."""
+    if dimensions is not None and not 1 <= dimensions <= hidden_size:
+        raise ValueError(f"dimensions must be between 1 and the model's {hidden_size}, got {dimensions}.")
+
+
 def truncate_embedding(embedding: list[float], dimensions: int | None) -> list[float]:
     """The first `dimensions` values, L2-normalized again (as Matryoshka embeddings are read); the whole
     vector when None. ValueError when `dimensions` is outside [1, len(embedding)]."""
     if dimensions is None:
         return embedding
-    if not 1 <= dimensions <= len(embedding):
-        raise ValueError(f"dimensions must be between 1 and the model's {len(embedding)}, got {dimensions}.")
+    check_dimensions(dimensions, len(embedding))
     head = embedding[:dimensions]
     norm = math.sqrt(sum(x * x for x in head))
     return [x / norm for x in head] if norm > 0 else head

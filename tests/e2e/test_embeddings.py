@@ -86,6 +86,29 @@ def test_mean_pooling_from_the_sentence_transformers_config(llama_model: Path, t
     assert llm.engine.kv_cache.pool.num_free_blocks == NUM_BLOCKS
 
 
+def test_a_preempted_mean_pooling_request_pools_again_from_the_start(llama_model: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "st-mean"
+    shutil.copytree(llama_model, folder)
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    pooling = [{"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    (folder / "modules.json").write_text(json.dumps(pooling))
+    # 22 blocks of 4 tokens: the 84-token prompt's third chunk finds no room beside the generating request,
+    # so it is preempted after two chunks were summed, and computed again once the generation ends.
+    llm = engine(folder, num_kv_blocks=22, block_size=4)
+    prompt = random_prompts(1, 84, 84, seed=13)[0]
+    generate = SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True)
+    prepared = [
+        llm.inputs.process("gen", [5, 6, 7, 8], generate),
+        llm.inputs.process_pooling("emb", prompt, llm.pooling.params("embed")),
+    ]
+    pooled = llm._run(prepared, use_tqdm=False)[1].pooled
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    expected = F.normalize(hf_hidden(folder, prompt).mean(dim=0), dim=-1)
+    torch.testing.assert_close(torch.tensor(pooled), expected, atol=1e-5, rtol=1e-4)
+    assert llm.engine.kv_cache.pool.num_free_blocks == 22
+
+
 @pytest.fixture(scope="module")
 def classifier_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoConfig, AutoModelForSequenceClassification

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from tokenmill.pooling_params import truncate_embedding
+from tokenmill.pooling_params import check_dimensions, truncate_embedding
 from tokenmill.server import rerank
 from tokenmill.server.config import ServerState
 from tokenmill.server.embeddings_jobs import PoolingResult, check_pooling, run_pooling
@@ -47,14 +47,10 @@ async def embeddings_response(state: ServerState, body: EmbeddingRequest, key: s
 async def _embed(state: ServerState, body: EmbeddingRequest, key: str, request: Request | None) -> PoolingResult:
     state.check_model(body.model)
     check_pooling(state, "embed")
-    hidden_size = state.engine.pooling.hidden_size
-    if body.dimensions is not None and body.dimensions > hidden_size:
-        raise APIError(
-            400,
-            f"dimensions is {body.dimensions}; this model's embeddings have {hidden_size}.",
-            "invalid_dimensions",
-            "dimensions",
-        )
+    try:
+        check_dimensions(body.dimensions, state.engine.pooling.hidden_size)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "invalid_dimensions", "dimensions") from exc
     salt = state.cache_salt(key, body.cache_salt)
     return await run_pooling(state, key, new_id("embd"), body.inputs(), "embed", body.priority, salt, request)
 
