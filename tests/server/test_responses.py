@@ -17,6 +17,9 @@ import pytest
 
 from tests.server.conftest import MODEL_NAME, RunningServer, long_context_copy, run_server
 from tokenmill.server.config import ServerConfig
+from tokenmill.server.errors import APIError
+from tokenmill.server.response_store import ResponseStore, StoredResponse
+from tokenmill.server.responses_protocol import MessageItem, OutputMessage, OutputText, ResponseObject
 
 CITY = {
     "type": "object",
@@ -288,3 +291,45 @@ def test_bad_input_is_a_400_naming_the_param(client: openai.OpenAI, kwargs: dict
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model=MODEL_NAME, max_output_tokens=1, **kwargs)
     assert caught.value.status_code == 400 and caught.value.param == param
+
+
+# ---------------------------------------------------------------------- the store's bounds, without a server
+
+
+def stored(response_id: str, text: str, key: str = "key-0") -> StoredResponse:
+    response = ResponseObject(id=response_id, created_at=0, status="completed", model=MODEL_NAME)
+    return StoredResponse(key, response, [MessageItem(role="user", content=text)])
+
+
+def test_the_store_forgets_the_least_recently_used_past_its_count() -> None:
+    store = ResponseStore(capacity=2, max_chars=1000)
+    for name in ("a", "b"):
+        store.put(stored(name, "x"))
+    store.get("key-0", "a")  # now the most recently used
+    store.put(stored("c", "x"))
+    assert store.get("key-0", "a") and store.get("key-0", "c")
+    with pytest.raises(APIError) as caught:
+        store.get("key-0", "b")
+    assert caught.value.status == 404
+
+
+def test_the_store_forgets_past_its_characters_counting_outputs_once_finished() -> None:
+    store = ResponseStore(capacity=10, max_chars=10)
+    first, second = stored("a", "12345"), stored("b", "1234")
+    store.put(first)
+    store.put(second)
+    assert store.num_chars == 9
+    output = [OutputMessage(id="msg_1", status="completed", content=[OutputText(text="xx")])]
+    second.response = second.response.model_copy(update={"output": output})
+    store.update(second)  # 5 + 4 + 2 > 10: the least recently used goes
+    assert len(store) == 1 and store.num_chars == 6 and store.get("key-0", "b") is second
+
+
+def test_a_stored_response_is_absent_for_another_key() -> None:
+    store = ResponseStore(capacity=10, max_chars=1000)
+    store.put(stored("a", "x", key="key-0"))
+    with pytest.raises(APIError):
+        store.get("key-1", "a")
+    with pytest.raises(APIError):
+        store.delete("key-1", "a")
+    assert store.delete("key-0", "a").key == "key-0" and store.num_chars == 0

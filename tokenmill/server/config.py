@@ -358,6 +358,13 @@ class ServerConfig:
         help="responses kept for GET /v1/responses/{id} and previous_response_id (store: true); past N the least "
         "recently used is forgotten; 0: none kept",
     )
+    response_store_mb: int = setting(
+        256,
+        group="limits",
+        metavar="MB",
+        help="the stored responses' text (each counted with its whole conversation) stays within about this many "
+        "MB (million characters); past it the least recently used are forgotten",
+    )
     # The Batch API (files.py, batches.py, batch_runner.py)
     files_dir: str | None = setting(
         None,

@@ -70,7 +70,7 @@ _CREATED = {**_ERRORS, 200: {"content": {"text/event-stream": {}}, "description"
 
 def router(state: ServerState) -> APIRouter:
     """The Responses API's routes, with one store for every model the server serves."""
-    store = ResponseStore(state.config.response_store_size)
+    store = ResponseStore(state.config.response_store_size, state.config.response_store_mb * 1_000_000)
     background: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak references to tasks
     api = APIRouter()
 
@@ -143,10 +143,10 @@ async def _create(
     def done(final: ResponseObject) -> None:
         entry.abort = None
         entry.response = final if not entry.cancelled else final.model_copy(update={"status": "cancelled"})
+        store.update(entry)  # its output counts in the store's bound
 
-    if body.stream or body.background:  # visible (and cancellable) while it runs
-        if body.store:
-            store.put(entry)
+    if body.store and (body.stream or body.background):  # visible (and cancellable) while it runs
+        store.put(entry)
     if body.stream:
 
         def closed() -> None:  # a client that left before the last event: its response is cancelled

@@ -52,14 +52,16 @@ def input_items(body: ResponsesRequest) -> list[Item]:
             raise APIError(
                 400, f"input items of type {item.type!r} are not supported.", "unsupported_item", f"input.{i}"
             )
-        parts = item.content if isinstance(item, MessageItem) else getattr(item, "output", "")
+        field, parts = (
+            ("content", item.content) if isinstance(item, MessageItem) else ("output", getattr(item, "output", ""))
+        )
         for j, part in enumerate(parts if isinstance(parts, list) else []):
             if isinstance(part, UnsupportedContent):
                 raise APIError(
                     400,
                     f"{part.type} content is not supported: this server's models read text only.",
                     "unsupported_content",
-                    f"input.{i}.{'content' if isinstance(item, MessageItem) else 'output'}.{j}",
+                    f"input.{i}.{field}.{j}",
                 )
         prefix = "fc" if isinstance(item, FunctionCallItem) else "msg" if isinstance(item, MessageItem) else "fco"
         items.append(item if item.id is not None else item.model_copy(update={"id": new_item_id(prefix)}))
