@@ -5,6 +5,7 @@ prompt unless `enable_thinking` is false: its replies are reasoning (the prompt 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,11 +15,13 @@ import openai
 import pytest
 
 from tests.server.conftest import CHATML, MODEL_NAME, RunningServer, make_chat_model, run_server
+from tokenmill.server.cli import add_serve_parser, engine_and_server_config
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.reasoning import REASONING_PARSERS, Reasoning, ReasoningStream
 from tokenmill.server.tool_output import ReplyStream, whole_reply
 from tokenmill.server.tool_parsers import TOOL_PARSERS
 from tokenmill.server.tools import ToolPlan
+from tokenmill.settings import parse_args
 
 qwen3, r1 = REASONING_PARSERS["qwen3"], REASONING_PARSERS["deepseek_r1"]
 OPENED, CLOSED = "<|im_start|>assistant\n<think>\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n"
@@ -173,6 +176,29 @@ def test_without_a_reasoning_parser_nothing_changes(server: RunningServer, monke
     with server.client() as http:
         message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
     assert "reasoning_content" not in message and message["content"] == FORCED
+
+
+def test_the_servers_template_kwargs_apply_unless_the_request_gives_its_own(
+    server: RunningServer, client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = dataclasses.replace(server.state.config, chat_template_kwargs={"enable_thinking": False})
+    monkeypatch.setattr(server.state, "config", config)
+    default, asked = reply(client), reply(client, chat_template_kwargs={"enable_thinking": True})
+    assert getattr(default.choices[0].message, "reasoning_content", None) is None and default.choices[0].message.content
+    assert asked.choices[0].message.content is None and asked.choices[0].message.reasoning_content  # type: ignore[attr-defined]
+
+
+def test_flags_and_config_file_set_the_servers_reasoning_settings(tmp_path: Path) -> None:
+    root = argparse.ArgumentParser(prog="tokenmill")
+    add_serve_parser(root.add_subparsers(dest="command"))
+    flags = ["--reasoning-parser", "deepseek_r1", "--chat-template-kwargs", '{"enable_thinking": false}']
+    yaml = tmp_path / "serve.yaml"
+    yaml.write_text("reasoning_parser: deepseek_r1\nchat_template_kwargs: {enable_thinking: false}\n")
+    for argv in (flags, ["--config", str(yaml)]):
+        _, config = engine_and_server_config(parse_args(root, ["serve", *argv]))
+        assert (config.reasoning_parser, config.chat_template_kwargs) == ("deepseek_r1", {"enable_thinking": False})
+    with pytest.raises(ValueError, match="'tools'"):
+        ServerConfig(chat_template_kwargs={"tools": []})
 
 
 @pytest.mark.parametrize("name", ["messages", "add_generation_prompt", "tools", "eos_token"])
