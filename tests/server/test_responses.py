@@ -5,6 +5,7 @@ delete, cancel, background) and the errors a bad request gets."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -161,21 +162,49 @@ def test_streamed_function_call_assembles_in_the_sdks_stream_helper(client: open
         "extra_body": {"seed": 4},
     }
     with client.responses.stream(**request) as stream:
-        kinds = [event.type for event in stream]
+        events = list(stream)
         final = stream.get_final_response()
+    kinds = [event.type for event in events]
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1  # the arguments as the model writes them, not whole at the end
     assert kinds == [
         "response.created",
         "response.in_progress",
         "response.output_item.added",
-        "response.function_call_arguments.delta",
+        *["response.function_call_arguments.delta"] * len(pieces),
         "response.function_call_arguments.done",
         "response.output_item.done",
         "response.completed",
     ]
     [call] = final.output
     unstreamed = client.responses.create(**request).output[0]
-    assert call.type == unstreamed.type == "function_call" and call.arguments == unstreamed.arguments
+    assert call.type == unstreamed.type == "function_call" and call.arguments == unstreamed.arguments == "".join(pieces)
     assert call.parsed_arguments == json.loads(call.arguments)  # the SDK parses a strict tool's arguments
+
+
+def test_reasoning_is_a_reasoning_item_streamed_or_not(
+    server: RunningServer, client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # deepseek_r1 takes a reply without </think> (any reply of the random model) as all reasoning.
+    monkeypatch.setattr(
+        server.state, "config", dataclasses.replace(server.state.config, reasoning_parser="deepseek_r1")
+    )
+    out = client.responses.create(input="Where is Paris?", **GREEDY)
+    reference = chat(client, [{"role": "user", "content": "Where is Paris?"}]).choices[0].message
+    [item] = out.output
+    assert item.type == "reasoning" and item.id.startswith("rs_") and out.output_text == ""
+    assert item.content is not None and item.content[0].text == reference.reasoning_content  # type: ignore[attr-defined]
+    events = list(client.responses.create(input="Where is Paris?", stream=True, **GREEDY))
+    pieces = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert [e.type for e in events][2:-1] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.reasoning_text.delta"] * len(pieces),
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert "".join(pieces) == item.content[0].text == events[-1].response.output[0].content[0].text
 
 
 def test_previous_response_id_carries_the_conversation(client: openai.OpenAI) -> None:
@@ -192,6 +221,15 @@ def test_previous_response_id_carries_the_conversation(client: openai.OpenAI) ->
     assert second.usage.input_tokens == reference.usage.prompt_tokens > first.usage.input_tokens
     assert second.output_text == reference.choices[0].message.content
     assert second.previous_response_id == first.id
+
+    # Output items replayed by the client (a reasoning item among them) say the same as the previous id.
+    replayed: Any = [
+        {"role": "user", "content": "Hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"role": "assistant", "content": [{"type": "output_text", "text": first.output_text, "annotations": []}]},
+        {"role": "user", "content": "And then?"},
+    ]
+    assert client.responses.create(input=replayed, **GREEDY).usage.input_tokens == second.usage.input_tokens
 
 
 def test_json_schema_text_format_gives_json_that_validates(client: openai.OpenAI) -> None:
@@ -281,7 +319,7 @@ def test_cancel_ends_a_running_stream(client: openai.OpenAI) -> None:
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
             "input.0.content.0",
         ),
-        ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input.0"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0"),
         ({"input": "Hi", "tool_choice": "required"}, "tool_choice"),
         ({"input": "Hi", "background": True, "store": False}, "store"),
         ({"input": []}, "input"),

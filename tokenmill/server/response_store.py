@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.server.errors import APIError
-from tokenmill.server.responses_protocol import FunctionCallItem, Item, MessageItem, OutputMessage, ResponseObject
+from tokenmill.server.responses_protocol import FunctionCallItem, Item, MessageItem, OutputFunctionCall, ResponseObject
 
 IN_FLIGHT = ("queued", "in_progress")
 
@@ -34,7 +34,10 @@ class StoredResponse:
         stays in memory as long as it does."""
         count = sum(_item_chars(item) for item in self.items)
         for out in self.response.output:
-            count += sum(len(p.text) for p in out.content) if isinstance(out, OutputMessage) else len(out.arguments)
+            if isinstance(out, OutputFunctionCall):
+                count += len(out.arguments)
+            else:
+                count += sum(len(part.text) for part in out.content)
         return count
 
 

@@ -100,6 +100,13 @@ class FunctionCallOutputItem(StrictModel):
         return "".join(p.text for p in self.output if isinstance(p, TextContent))
 
 
+class ReasoningItem(_Refused):
+    """An earlier response's reasoning, sent back as clients replay output items: accepted and left out
+    of the prompt (chat templates drop earlier turns' reasoning too)."""
+
+    type: Literal["reasoning"]
+
+
 class UnsupportedItem(_Refused):
     """Any other item type (reasoning, item_reference, built-in tool calls): refused by name (400)."""
 
@@ -108,13 +115,14 @@ class UnsupportedItem(_Refused):
 
 def _item_tag(value: Any) -> str:
     kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
-    return kind if kind in ("message", "function_call", "function_call_output") else "other"
+    return kind if kind in ("message", "function_call", "function_call_output", "reasoning") else "other"
 
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")]
     | Annotated[UnsupportedItem, Tag("other")],
     Discriminator(_item_tag),
 ]
@@ -215,12 +223,24 @@ class ResponsesRequest(StrictModel):
     priority: Priority = 0
     request_timeout: Seconds | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description='Extra variables for the chat template, e.g. {"enable_thinking": false}.'
+    )
     # OpenAI fields refused by name (400): stored conversations and prompt templates are not kept here
     conversation: Any = Field(default=None, description="Not supported: give previous_response_id or the items.")
     prompt: Any = Field(default=None, description="Not supported: reusable prompts are not stored here.")
 
 
-PASSED_TO_CHAT = ("seed", "top_k", "min_p", "repetition_penalty", "priority", "request_timeout", "cache_salt")
+PASSED_TO_CHAT = (
+    "seed",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "priority",
+    "request_timeout",
+    "cache_salt",
+    "chat_template_kwargs",
+)
 
 # ---------------------------------------------------------------------- the response
 
@@ -255,7 +275,22 @@ class OutputFunctionCall(_Out):
     status: ItemStatus
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class ReasoningText(_Out):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(_Out):
+    """The reply's reasoning (with --reasoning-parser), before its message or calls."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: ItemStatus
+
+
+OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(_Out):

@@ -25,7 +25,10 @@ from tokenmill.server.responses_protocol import (
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    ReasoningItem,
+    ReasoningText,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
@@ -48,6 +51,8 @@ def input_items(body: ResponsesRequest) -> list[Item]:
     item or content part this server cannot read."""
     items: list[Item] = []
     for i, item in enumerate(body.input):
+        if isinstance(item, ReasoningItem):
+            continue
         if isinstance(item, UnsupportedItem):
             raise APIError(
                 400, f"input items of type {item.type!r} are not supported.", "unsupported_item", f"input.{i}"
@@ -69,13 +74,13 @@ def input_items(body: ResponsesRequest) -> list[Item]:
 
 
 def output_as_items(output: list[OutputItem]) -> list[Item]:
-    """A stored response's output as the next turn's input items."""
+    """A stored response's output as the next turn's input items (its reasoning left out, as templates drop it)."""
     items: list[Item] = []
     for out in output:
         if isinstance(out, OutputMessage):
             parts = [TextContent(type="output_text", text=part.text) for part in out.content]
             items.append(MessageItem(role="assistant", content=list(parts), id=out.id, status=out.status))
-        else:
+        elif isinstance(out, OutputFunctionCall):
             call = FunctionCallItem(
                 type="function_call", call_id=out.call_id, name=out.name, arguments=out.arguments, id=out.id
             )
@@ -202,16 +207,21 @@ def echoed_settings(body: ResponsesRequest) -> dict[str, Any]:
 
 
 def output_items(message: AssistantMessage, status: Status) -> list[OutputItem]:
-    """The chat reply's text (a message) and tool calls (function_call items)."""
+    """The chat reply's reasoning, text (a message) and tool calls (function_call items)."""
     item_status = item_status_of(status)
     output: list[OutputItem] = []
+    if message.reasoning_content:
+        reasoning = [ReasoningText(text=message.reasoning_content)]
+        # As streamed: the reasoning is complete once the answer has begun.
+        done = "completed" if message.content or message.tool_calls else item_status
+        output.append(OutputReasoning(id=new_item_id("rs"), status=done, content=reasoning))
     if message.content is not None and (message.content or not message.tool_calls):
         text = OutputText(text=message.content)
         output.append(OutputMessage(id=new_item_id("msg"), status=item_status, content=[text]))
     for call in message.tool_calls or []:
         name, arguments = call.function.name, call.function.arguments
         fc = OutputFunctionCall(
-            id=new_item_id("fc"), call_id=call.id, name=name, arguments=arguments, status="completed"
+            id=new_item_id("fc"), call_id=call.id, name=name, arguments=arguments, status=item_status
         )
         output.append(fc)
     return output
