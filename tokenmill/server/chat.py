@@ -214,21 +214,12 @@ async def _stream(
             reply = replies[out.index]
             delta = reply.advance(out.delta_text)
             if out.finished:
-                delta = _joined(delta, reply.close(out.finish_reason))
+                delta = delta.then(reply.close(out.finish_reason))
                 done.add(out.index)
             for piece in _deltas(plan, delta, out.finished, logprobs):
                 yield chunk([{"index": out.index, **piece}])
     if include_usage:
         yield chunk([], job.usage().model_dump())
-
-
-def _joined(first: ReplyDelta, last: ReplyDelta) -> ReplyDelta:
-    return ReplyDelta(
-        first.reasoning + last.reasoning,
-        first.content + last.content,
-        first.tool_calls + last.tool_calls,
-        last.finish_reason,
-    )
 
 
 def _deltas(plan: ToolPlan, delta: ReplyDelta, finished: bool, logprobs: Any) -> list[dict[str, Any]]:

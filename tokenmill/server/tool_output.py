@@ -40,6 +40,20 @@ class ReplyDelta:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # `delta.tool_calls` entries
     finish_reason: str | None = None
 
+    def then(self, later: ReplyDelta) -> ReplyDelta:
+        """This delta and a later one as one (one `delta.tool_calls` entry per call), with the later's
+        finish_reason."""
+        calls = {e["index"]: {**e, "function": dict(e["function"])} for e in self.tool_calls}
+        for entry in later.tool_calls:
+            if entry["index"] in calls:
+                calls[entry["index"]]["function"]["arguments"] += entry["function"]["arguments"]
+            else:
+                calls[entry["index"]] = entry
+        tool_calls = [calls[i] for i in sorted(calls)]
+        return ReplyDelta(
+            self.reasoning + later.reasoning, self.content + later.content, tool_calls, later.finish_reason
+        )
+
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
