@@ -19,6 +19,8 @@ import pytest
 
 from tests.server.conftest import MODEL_NAME, RunningServer, long_context_copy, run_server
 from tokenmill.server.config import ServerConfig
+from tokenmill.server.messages_stream import ContentBlocks
+from tokenmill.server.tool_output import ReplyDelta
 
 KEY = "test-key"
 CITY = {
@@ -135,6 +137,32 @@ def test_output_config_format_constrains_the_text_to_the_schema(client: anthropi
     jsonschema.validate(json.loads(text_of(message)), CITY)
 
 
+def test_reasoning_thinking_text_and_a_call_stream_as_blocks_in_order() -> None:
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"ci'}}
+    blocks = ContentBlocks()
+    frames = [
+        *blocks.send(ReplyDelta(reasoning="Hmm")),
+        *blocks.send(ReplyDelta(reasoning=", Paris.", content="It is")),
+        *blocks.send(ReplyDelta(content=" sunny.", tool_calls=[call])),
+        *blocks.send(ReplyDelta(tool_calls=[{"index": 0, "function": {"arguments": 'ty": "Paris"}'}}])),
+        *blocks.stop(),
+    ]
+    events = [json.loads(frame.split("data: ", 1)[1]) for frame in frames]
+    assert all(frame.startswith(f"event: {e['type']}\n") for frame, e in zip(frames, events))
+    started = [(e["index"], e["content_block"]["type"]) for e in events if e["type"] == "content_block_start"]
+    assert started == [(0, "thinking"), (1, "text"), (2, "tool_use")]
+    assert [e["index"] for e in events if e["type"] == "content_block_stop"] == [0, 1, 2]
+    deltas = [(e["index"], *e["delta"].values()) for e in events if e["type"] == "content_block_delta"]
+    assert deltas == [
+        (0, "thinking_delta", "Hmm"),
+        (0, "thinking_delta", ", Paris."),
+        (1, "text_delta", "It is"),
+        (1, "text_delta", " sunny."),
+        (2, "input_json_delta", '{"ci'),
+        (2, "input_json_delta", 'ty": "Paris"}'),
+    ]
+
+
 # ---------------------------------------------------------------------- tools
 
 
@@ -152,11 +180,14 @@ def test_streamed_tool_use_assembles_into_the_final_message(client: anthropic.An
     tool_choice: Any = {"type": "any", "disable_parallel_tool_use": True}
     fields: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 64, "tools": TOOLS, "tool_choice": tool_choice}
     with client.messages.stream(messages=[{"role": "user", "content": QUESTION}], **fields) as stream:
+        pieces = [event.partial_json for event in stream if event.type == "input_json"]
         final = stream.get_final_message()
+    assert len(pieces) > 1  # the input streamed as the model wrote it
     assert final.stop_reason == "tool_use"
     (call,) = [block for block in final.content if block.type == "tool_use"]
     assert call.name == "get_weather"
     jsonschema.validate(call.input, CITY)
+    assert json.loads("".join(pieces)) == call.input
 
 
 def test_tool_result_turn_is_templated_as_the_chat_routes_tool_message(

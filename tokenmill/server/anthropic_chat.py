@@ -2,9 +2,10 @@
 pipeline (prepare_chat, tool plans, replies). The system prompt becomes a system message; an assistant
 turn's tool_use blocks become its tool_calls; a user turn's tool_result blocks become "tool" messages,
 as chat templates take tool results; tool_choice any / tool / none become "required" / a named function /
-"none"; output_config.format is chat's json_schema response_format. What this server cannot do is
-refused by name (400): image and document blocks, extended thinking, server tools, and a conversation
-ending with an assistant turn (Anthropic's prefill)."""
+"none"; output_config.format is chat's json_schema response_format; earlier turns' thinking blocks are
+left out. What this server cannot do is refused by name (400): image and document blocks, extended
+thinking without --reasoning-parser, server tools, and a conversation ending with an assistant turn
+(Anthropic's prefill)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tokenmill.server.anthropic_protocol import (
     MediaBlock,
     MessagesRequest,
     TextBlock,
+    ThinkingBlock,
     ToolChoiceAny,
     ToolChoiceNone,
     ToolChoiceTool,
@@ -42,10 +44,10 @@ from tokenmill.server.protocol_tools import (
 ERROR_RESULT_PREFIX = "Error: "
 
 
-def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
+def chat_request(body: CountTokensRequest, reasoning: bool) -> ChatCompletionRequest:
     """The chat request for `body` (a MessagesRequest: with its sampling fields); APIError 400 for what
-    cannot be translated."""
-    _refuse_unsupported(body)
+    cannot be translated. `reasoning`: the server parses the replies' reasoning (--reasoning-parser)."""
+    _refuse_unsupported(body, reasoning)
     messages = _system(body.system)
     for i, message in enumerate(body.messages):
         messages += _turn(i, message)
@@ -82,10 +84,14 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         raise APIError(400, f"the request cannot be run: {exc.errors()[0].get('msg', 'invalid value')}.") from exc
 
 
-def _refuse_unsupported(body: CountTokensRequest) -> None:
-    if body.thinking is not None and body.thinking.get("type") != "disabled":
+def _refuse_unsupported(body: CountTokensRequest, reasoning: bool) -> None:
+    if body.thinking is not None and body.thinking.get("type") != "disabled" and not reasoning:
         raise APIError(
-            400, "extended thinking is not supported by this server: leave thinking out.", "unsupported", "thinking"
+            400,
+            "extended thinking needs a server started with --reasoning-parser (and a reasoning model): "
+            "leave thinking out.",
+            "unsupported",
+            "thinking",
         )
     for i, tool in enumerate(body.tools or []):
         if tool.type not in (None, "custom"):
@@ -124,6 +130,8 @@ def _turn(i: int, message: InputMessage) -> list[ChatMessage]:
         where = f"messages.{i}.content.{j}"
         if isinstance(block, MediaBlock):
             raise _unsupported_media(block, where)
+        if isinstance(block, ThinkingBlock):
+            continue
         if isinstance(block, TextBlock):
             text.append(block.text)
         elif isinstance(block, ToolUseBlock):

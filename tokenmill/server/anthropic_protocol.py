@@ -51,6 +51,16 @@ class ToolUseBlock(StrictModel):
     cache_control: CacheControl = None
 
 
+class ThinkingBlock(StrictModel):
+    """An earlier assistant turn's thinking, sent back: left out of the prompt (as Anthropic leaves out
+    earlier turns' thinking)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
+
+
 ResultPart = Annotated[TextBlock | MediaBlock, Field(discriminator="type")]
 
 
@@ -64,7 +74,9 @@ class ToolResultBlock(StrictModel):
     cache_control: CacheControl = None
 
 
-ContentBlock = Annotated[TextBlock | MediaBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+ContentBlock = Annotated[
+    TextBlock | MediaBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")
+]
 
 
 class InputMessage(StrictModel):
@@ -116,7 +128,11 @@ class CountTokensRequest(StrictModel):
     system: str | list[TextBlock] | None = None
     tools: Annotated[list[AnthropicTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    thinking: dict[str, Any] | None = Field(default=None, description='Only {"type": "disabled"}; else 400.')
+    thinking: dict[str, Any] | None = Field(
+        default=None,
+        description='"enabled" or "adaptive" need --reasoning-parser (the reply\'s reasoning comes as a thinking '
+        'block; budget_tokens is not used); without one, 400. "disabled" is accepted.',
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -169,6 +185,14 @@ class TextOut(_Out):
     text: str
 
 
+class ThinkingOut(_Out):
+    """The reply's reasoning (with --reasoning-parser); its signature is empty: nothing checks it here."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+
+
 class ToolUseOut(_Out):
     type: Literal["tool_use"] = "tool_use"
     id: str
@@ -193,7 +217,7 @@ class MessageResponse(_Out):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextOut | ToolUseOut]
+    content: list[ThinkingOut | TextOut | ToolUseOut]
     stop_reason: StopReason | None
     stop_sequence: str | None = None
     usage: MessageUsage
@@ -201,3 +225,13 @@ class MessageResponse(_Out):
 
 class CountTokensResponse(_Out):
     input_tokens: int
+
+
+class AnthropicError(_Out):
+    type: str = Field(description="invalid_request_error, authentication_error, not_found_error, rate_limit_error, ...")
+    message: str
+
+
+class AnthropicErrorResponse(_Out):
+    type: Literal["error"] = "error"
+    error: AnthropicError

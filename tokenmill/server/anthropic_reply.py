@@ -1,5 +1,6 @@
 """A finished Messages reply in Anthropic's terms, for the unstreamed body and the streamed events alike:
-its content blocks (text, then one tool_use block per call), stop_reason and stop_sequence, usage."""
+its content blocks (its reasoning as a thinking block, text, then one tool_use block per call),
+stop_reason and stop_sequence, usage."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import json
 import uuid
 
 from tokenmill.outputs import CompletionOutput
-from tokenmill.server.anthropic_protocol import MessageResponse, MessageUsage, StopReason, TextOut, ToolUseOut
+from tokenmill.server.anthropic_protocol import (
+    MessageResponse,
+    MessageUsage,
+    StopReason,
+    TextOut,
+    ThinkingOut,
+    ToolUseOut,
+)
 from tokenmill.server.config import ServerState
 from tokenmill.server.job import Job
 from tokenmill.server.tool_output import Reply
@@ -20,7 +28,11 @@ def new_message_id() -> str:
 def message_response(
     state: ServerState, job: Job, message_id: str, reply: Reply, out: CompletionOutput
 ) -> MessageResponse:
-    content: list[TextOut | ToolUseOut] = [TextOut(text=reply.content)] if reply.content else []
+    content: list[ThinkingOut | TextOut | ToolUseOut] = (
+        [ThinkingOut(thinking=reply.reasoning)] if reply.reasoning else []
+    )
+    if reply.content:
+        content.append(TextOut(text=reply.content))
     for call in reply.tool_calls or []:
         content.append(ToolUseOut(id=tool_use_id(), name=call.function.name, input=json.loads(call.function.arguments)))
     reason, sequence = stop_reason(reply.finish_reason, out.stop_reason)

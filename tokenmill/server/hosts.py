@@ -16,7 +16,7 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenmill.server.errors import error_body
+from tokenmill.server.errors import error_body_for
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -75,7 +75,7 @@ class HostMiddleware:
             if header
             else "the request has no Host header."
         )
-        body = json.dumps(error_body(400, message, "invalid_host")).encode()
+        body = json.dumps(error_body_for(scope["path"], 400, message, "invalid_host")).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if scope["type"] == "websocket":  # refuse the handshake
             await send({"type": "websocket.close", "code": 1008})

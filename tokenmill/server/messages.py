@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from tokenmill.server.admission import admit
 from tokenmill.server.anthropic_chat import chat_request
 from tokenmill.server.anthropic_protocol import (
+    AnthropicErrorResponse,
     CountTokensRequest,
     CountTokensResponse,
     MessageResponse,
@@ -30,18 +31,35 @@ from tokenmill.server.security import request_key
 from tokenmill.server.streaming import finish
 from tokenmill.server.tool_output import whole_reply
 
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": AnthropicErrorResponse, "description": desc}
+    for code, desc in (
+        (400, "Invalid request (invalid_request_error)"),
+        (401, "Missing or wrong API key (authentication_error)"),
+        (403, "The key may not use this model (permission_error)"),
+        (404, "Unknown model (not_found_error)"),
+        (408, "Body not received in time"),
+        (413, "Body too large (request_too_large)"),
+        (429, "Rate limit or full queue, see Retry-After (rate_limit_error)"),
+        (500, "Engine failure (api_error)"),
+        (503, "Shutting down, engine restarting or dead (overloaded_error)"),
+        (504, "Past its deadline (timeout_error)"),
+    )
+}
+_SSE = {"content": {"text/event-stream": {}}, "description": "JSON, or with stream=true Anthropic's events"}
+
 
 def router(state: ServerState) -> APIRouter:
     api = APIRouter(tags=["anthropic"])
 
-    @api.post("/v1/messages", response_model=MessageResponse)
+    @api.post("/v1/messages", response_model=MessageResponse, responses={**_ERRORS, 200: _SSE})
     async def messages(body: MessagesRequest, request: Request) -> Any:
         """Anthropic's Messages API: `anthropic-version` and `x-api-key` (or a Bearer key) are accepted."""
         key = request_key(request.scope)
         async with state_for_model(state, body.model, key) as target:
             return await create_message(target, body, request, key)
 
-    @api.post("/v1/messages/count_tokens", response_model=CountTokensResponse)
+    @api.post("/v1/messages/count_tokens", response_model=CountTokensResponse, responses=_ERRORS)
     async def count_tokens(body: CountTokensRequest, request: Request) -> Any:
         """The prompt's token count as /v1/messages would template it, tools included."""
         key = request_key(request.scope)
@@ -55,7 +73,7 @@ async def create_message(state: ServerState, body: MessagesRequest, request: Req
     arrival = time.monotonic()
     message_id = new_message_id()
     with state.limiter.charging_refusals(key):
-        chat = chat_request(body)
+        chat = chat_request(body, state.reasoning_parser is not None)
         prepared, plan = await prepare_chat(state, chat, key, message_id)
         job = admit(state, key, [prepared], arrival, chat)
     if body.stream:
@@ -72,5 +90,7 @@ async def _count_tokens(state: ServerState, body: CountTokensRequest, key: str) 
     """The prompt as /v1/messages would run it: prepared as chat prepares it (template, tools, checks),
     never admitted."""
     with state.limiter.charging_refusals(key):
-        prepared, _ = await prepare_chat(state, chat_request(body), key, new_message_id())
+        prepared, _ = await prepare_chat(
+            state, chat_request(body, state.reasoning_parser is not None), key, new_message_id()
+        )
     return len(prepared.prompt_token_ids)

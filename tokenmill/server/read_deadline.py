@@ -13,7 +13,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenmill.server.errors import error_body
+from tokenmill.server.errors import error_body_for
 
 
 class ReadDeadlineMiddleware:
@@ -43,7 +43,7 @@ class ReadDeadlineMiddleware:
             except asyncio.TimeoutError:  # (TimeoutError itself only from Python 3.11)
                 body_done = True  # from now on the app only hears the disconnect
                 if not started:
-                    await _send_408(guarded_send, self.timeout_s)
+                    await _send_408(scope, guarded_send, self.timeout_s)
                 return {"type": "http.disconnect"}
             if message["type"] != "http.request" or not message.get("more_body", False):
                 body_done = True
@@ -52,9 +52,9 @@ class ReadDeadlineMiddleware:
         await self.app(scope, guarded_receive, guarded_send)
 
 
-async def _send_408(send: Send, timeout_s: float) -> None:
+async def _send_408(scope: Scope, send: Send, timeout_s: float) -> None:
     message = f"the request body did not arrive within {timeout_s:g} seconds."
-    body = json.dumps(error_body(408, message, "request_timeout")).encode()
+    body = json.dumps(error_body_for(scope["path"], 408, message, "request_timeout")).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
