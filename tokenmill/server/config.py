@@ -381,7 +381,6 @@ class ServerConfig:
         help="batch lines running at once; they are queued only while no online request waits, at the lowest "
         "priority, so online traffic goes first",
     )
-
     # Reasoning models and chat templates (reasoning.py, chat.py)
     reasoning_parser: str | None = setting(
         None,
