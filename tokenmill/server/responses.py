@@ -187,6 +187,8 @@ def _finished(
     state: ServerState, chat: ChatCompletionRequest, plan: ToolPlan, job: Job, base: ResponseObject, cancelled: bool
 ) -> ResponseObject:
     """The response of a job that has run to its end, through the chat route's reply."""
+    if not job.outputs:  # aborted (cancelled) before its first step
+        return finished(base, final_status("abort", cancelled), [], job)
     choice = chat_response(state, chat, plan, job, base.id).choices[0]
     status = final_status(choice.finish_reason, cancelled)
     return finished(base, status, output_items(choice.message, status), job)
@@ -202,7 +204,8 @@ async def _run(
 ) -> None:
     """A background response, run to its end (or its cancellation) and stored."""
     base = entry.response.model_copy(update={"status": "in_progress"})
-    entry.response = base
+    if not entry.cancelled:  # else it stays "cancelled" while its job winds down
+        entry.response = base
     try:
         await finish(state, job, None)
         done(_finished(state, chat, plan, job, base, entry.cancelled))
