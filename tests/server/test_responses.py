@@ -252,6 +252,13 @@ def test_store_false_is_not_kept(client: openai.OpenAI) -> None:
         client.responses.create(input="Hi", previous_response_id=out.id, **GREEDY)
 
 
+def test_unknown_fields_are_ignored_as_on_the_chat_route(client: openai.OpenAI) -> None:
+    out = client.responses.create(
+        input="Hi", truncation="auto", extra_body={"made_up_field": 1}, **{**GREEDY, "max_output_tokens": 1}
+    )
+    assert out.usage is not None and out.usage.output_tokens == 1
+
+
 def test_another_key_sees_no_response_of_this_key(client: openai.OpenAI, other: openai.OpenAI) -> None:
     out = client.responses.create(input="Hi", **{**GREEDY, "max_output_tokens": 1})
     for attempt in (lambda: other.responses.retrieve(out.id), lambda: other.responses.delete(out.id)):
