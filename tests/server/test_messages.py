@@ -6,8 +6,9 @@ x-api-key and Bearer auth, and Anthropic's error bodies for bad input."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ import pytest
 
 from tests.server.conftest import MODEL_NAME, RunningServer, long_context_copy, run_server
 from tokenmill.server.config import ServerConfig
-from tokenmill.server.messages_stream import ContentBlocks
+from tokenmill.server.errors import APIError
+from tokenmill.server.messages_stream import ContentBlocks, event, stream_frames
 from tokenmill.server.tool_output import ReplyDelta
 
 KEY = "test-key"
@@ -161,6 +163,20 @@ def test_reasoning_thinking_text_and_a_call_stream_as_blocks_in_order() -> None:
         (2, "input_json_delta", '{"ci'),
         (2, "input_json_delta", 'ty": "Paris"}'),
     ]
+
+
+def test_an_error_after_the_stream_began_is_an_error_event() -> None:
+    async def events() -> AsyncIterator[str]:
+        yield event({"type": "ping"})
+        raise APIError(504, "the request timed out.", "request_timeout")
+
+    async def collect() -> list[str]:
+        return [frame async for frame in stream_frames(events())]
+
+    frames = asyncio.run(collect())
+    assert frames[-1].startswith("event: error\n")
+    body = json.loads(frames[-1].split("data: ", 1)[1])
+    assert body == {"type": "error", "error": {"type": "timeout_error", "message": "the request timed out."}}
 
 
 # ---------------------------------------------------------------------- tools

@@ -104,7 +104,8 @@ class ContentBlocks:
         return event({"type": "content_block_delta", "index": self.count - 1, "delta": delta})
 
 
-async def _frames(events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def stream_frames(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The events, then an `error` event if they fail (Anthropic's error object; no [DONE] line)."""
     try:
         async for frame in events:
             yield frame
@@ -120,7 +121,7 @@ class MessageStreamingResponse(StreamingResponse):
 
     def __init__(self, state: ServerState, job: Job, events: AsyncIterator[str]) -> None:
         super().__init__(
-            _frames(events),
+            stream_frames(events),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **job.admission.headers},
         )
