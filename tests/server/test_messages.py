@@ -22,6 +22,7 @@ from tests.server.conftest import MODEL_NAME, RunningServer, long_context_copy, 
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError
 from tokenmill.server.messages_stream import ContentBlocks, event, stream_frames
+from tokenmill.server.security import LoginThrottle
 from tokenmill.server.tool_output import ReplyDelta
 
 KEY = "test-key"
@@ -271,6 +272,20 @@ def test_a_wrong_key_is_an_authentication_error(server: RunningServer) -> None:
         "type": "error",
         "error": {"type": "authentication_error", "message": "invalid API key."},
     }
+
+
+def test_a_throttled_address_is_a_rate_limit_error(
+    client: anthropic.Anthropic, server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server.state, "throttle", LoginThrottle(max_failures=1))  # restored after the test
+    hi: Any = [{"role": "user", "content": "hi"}]
+    with anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0) as wrong:
+        with pytest.raises(anthropic.AuthenticationError):
+            wrong.messages.count_tokens(model=MODEL_NAME, messages=hi)
+    with pytest.raises(anthropic.RateLimitError) as caught:  # the right key too, from this address
+        client.messages.count_tokens(model=MODEL_NAME, messages=hi)
+    assert caught.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
+    assert int(caught.value.response.headers["retry-after"]) >= 1
 
 
 def bad_request(client: anthropic.Anthropic, body: dict[str, Any]) -> dict[str, Any]:
