@@ -82,10 +82,12 @@ def test_text_is_the_chat_routes_greedy_text(client: openai.OpenAI) -> None:
 
 def test_stream_sends_the_documented_events_in_order(client: openai.OpenAI) -> None:
     unstreamed = client.responses.create(input="Tell me a story", **GREEDY)
-    events = list(client.responses.create(input="Tell me a story", stream=True, **GREEDY))
+    with client.responses.stream(input="Tell me a story", **GREEDY) as stream:  # the SDK assembles the events
+        events = list(stream)
     kinds = [e.type for e in events]
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
-    assert deltas
+    assert deltas and events[2].item.content == []  # the part comes in its own event
+    assert [e.snapshot for e in events if e.type == "response.output_text.delta"][-1] == "".join(deltas)
     middle = ["response.output_text.delta"] * len(deltas)
     assert kinds == [
         "response.created",

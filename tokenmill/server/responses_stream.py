@@ -220,14 +220,11 @@ class _Items:
         if call is not None:
             item.call_id, item.name = call["id"], call["function"]["name"]
         self.items.append(item)
-        frames.append(
-            self.event(
-                "response.output_item.added", output_index=item.index, item=item.built("in_progress").model_dump()
-            )
-        )
-        if kind != "function_call":
+        added = item.built("in_progress").model_dump()
+        part = added["content"].pop() if kind != "function_call" else None  # added next, as its own event
+        frames.append(self.event("response.output_item.added", output_index=item.index, item=added))
+        if part is not None:
             where = {"item_id": item.id, "output_index": item.index, "content_index": 0}
-            part = item.built("in_progress").model_dump()["content"][0]
             frames.append(self.event("response.content_part.added", **where, part=part))
         return item
 
