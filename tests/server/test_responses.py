@@ -152,6 +152,8 @@ def test_forced_function_call_then_its_output_over_previous_response_id(client: 
     assert second.output_text == reference.choices[0].message.content
     items = client.responses.input_items.list(second.id, order="asc").data
     assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
+    paged = list(client.responses.input_items.list(second.id, limit=1))  # the SDK follows has_more / after
+    assert [i.id for i in paged] == [i.id for i in reversed(items)]  # newest first by default
 
 
 def test_streamed_function_call_assembles_in_the_sdks_stream_helper(client: openai.OpenAI) -> None:

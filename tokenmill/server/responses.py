@@ -13,9 +13,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from tokenmill.server.admission import admit
@@ -107,15 +107,25 @@ def router(state: ServerState) -> APIRouter:
         return JSONResponse(entry.response.model_dump())
 
     @api.get("/v1/responses/{response_id}/input_items", response_model=InputItemList, responses=_ERRORS)
-    async def list_input_items(response_id: str, request: Request, order: str = "desc") -> Any:
-        if order not in ("asc", "desc"):
-            raise APIError(400, 'order must be "asc" or "desc".', "invalid_request", "order")
+    async def list_input_items(
+        response_id: str,
+        request: Request,
+        order: Literal["asc", "desc"] = "desc",
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        after: str | None = None,
+    ) -> Any:
         entry = store.get(request_key(request.scope), response_id)
-        data = [item.model_dump(by_alias=True, exclude_none=True) for item in entry.items]
-        if order == "desc":
-            data.reverse()
-        first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
-        return JSONResponse(InputItemList(data=data, first_id=first, last_id=last).model_dump())
+        items = entry.items if order == "asc" else entry.items[::-1]
+        start = 0
+        if after is not None:
+            ids = [item.id for item in items]
+            if after not in ids:
+                raise APIError(400, f"no input item {after!r} in this response.", "invalid_request", "after")
+            start = ids.index(after) + 1
+        page = [item.model_dump(by_alias=True, exclude_none=True) for item in items[start : start + limit]]
+        first, last = (page[0]["id"], page[-1]["id"]) if page else (None, None)
+        more = start + limit < len(items)
+        return JSONResponse(InputItemList(data=page, first_id=first, last_id=last, has_more=more).model_dump())
 
     return api
 
