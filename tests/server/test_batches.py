@@ -4,6 +4,7 @@ route's bodies, per-key visibility, bad input files, cancel, and a restart mid-b
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -176,18 +177,23 @@ def test_cancel_stops_a_running_batch(client: openai.OpenAI, server: RunningServ
 
 
 def test_a_restarted_server_resumes_the_batch(chat_model: Path, tmp_path: Path) -> None:
-    config = ServerConfig(files_dir=str(tmp_path), batch_max_in_flight=1, shutdown_timeout_s=1.0)
+    # A drain too short for the line in flight: the server aborts it, and it must run again, not count.
+    config = ServerConfig(files_dir=str(tmp_path), batch_max_in_flight=1, shutdown_timeout_s=0.01)
     lines = slow_lines(12)
     with run_server(chat_model, config) as first:
         client = openai.OpenAI(base_url=first.url + "/v1", api_key="none", max_retries=0)
         batch = start_batch(client, lines)
         while client.batches.retrieve(batch.id).request_counts.completed < 2:
             time.sleep(0.02)
+        first.server.handle_exit(signal.SIGTERM, None)  # as `tokenmill serve` stops: drain, abort, exit
+        first.thread.join(15)
     stopped = json.loads((tmp_path / "batches" / f"{batch.id}.json").read_text())["batch"]
     assert stopped["status"] == "in_progress" and 2 <= stopped["request_counts"]["completed"] < len(lines)
     with run_server(chat_model, config) as second:
         client = openai.OpenAI(base_url=second.url + "/v1", api_key="none", max_retries=0)
         done = wait_for(client, batch.id, ("completed",))
-        ids = [line["custom_id"] for line in output_lines(client, done.output_file_id)]
+        results = output_lines(client, done.output_file_id)
+    ids = [line["custom_id"] for line in results]
     assert sorted(ids) == sorted(line["custom_id"] for line in lines)  # each exactly once
+    assert {r["response"]["body"]["choices"][0]["finish_reason"] for r in results} == {"length"}
     assert done.request_counts.completed == len(lines)

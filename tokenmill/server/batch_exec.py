@@ -17,6 +17,7 @@ from tokenmill.server.config import ServerState
 from tokenmill.server.embeddings import embeddings_response
 from tokenmill.server.embeddings_protocol import EmbeddingRequest
 from tokenmill.server.errors import INTERNAL_ERROR_MESSAGE, APIError, error_body
+from tokenmill.server.job import Job
 from tokenmill.server.pool.pool import state_for_model
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, new_id
 from tokenmill.server.streaming import finish
@@ -50,6 +51,8 @@ async def run_line(state: ServerState, key: str, line: BatchLine, priority: int 
         if exc.status == 429 or (exc.status == 503 and exc.code != "engine_dead"):
             raise RetryLater(float(exc.headers.get("Retry-After", "1"))) from exc
         return exc.status, exc.body()
+    except RetryLater:
+        raise
     except Exception:
         logger.exception("a batch line (custom_id %r) failed", line.custom_id)
         return 500, error_body(500, INTERNAL_ERROR_MESSAGE, "internal_error")
@@ -68,7 +71,7 @@ async def _chat(state: ServerState, key: str, body: ChatCompletionRequest, prior
             prepared, plan = await prepare_chat(target, body, key, request_id)
             _lower(prepared.children, priority)
             job = admit(target, key, [prepared], time.monotonic(), body)
-        await finish(target, job, None)
+        await _finish(target, job)
         return chat_response(target, body, plan, job, request_id).model_dump()
 
 
@@ -81,8 +84,16 @@ async def _completion(state: ServerState, key: str, body: CompletionRequest, pri
             for p in prepared:
                 _lower(p.children, priority)
             job = admit(target, key, prepared, time.monotonic(), body)
-        await finish(target, job, None)
+        await _finish(target, job)
         return completion_response(target, body, prepared, job, request_id).model_dump()
+
+
+async def _finish(state: ServerState, job: Job) -> None:
+    """Run the job to its end. One the server aborted (a shutdown past its drain time) is no answer:
+    the line runs again, after the restart if it is one."""
+    await finish(state, job, None)
+    if any(o.finish_reason == "abort" for out in job.outputs.values() for o in out.outputs):
+        raise RetryLater(1.0)
 
 
 def _lower(children: list[Any], priority: int) -> None:
