@@ -32,6 +32,7 @@ from tokenmill.server.dashboard.errors import ErrorTrackerMiddleware
 from tokenmill.server.errors import APIError, error_body, error_body_for, install_error_handlers
 from tokenmill.server.files import UPLOAD_PATH, upload_body_limit
 from tokenmill.server.hosts import HostMiddleware, allowed_hosts
+from tokenmill.server.openapi_errors import ROUTE_ERRORS, streamed
 from tokenmill.server.pool.admin import ADMIN_PREFIX, admin_router
 from tokenmill.server.pool.listing import model_cards
 from tokenmill.server.pool.pool import state_for_model
@@ -40,7 +41,6 @@ from tokenmill.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
-    ErrorResponse,
     ModelCard,
     ModelList,
 )
@@ -49,21 +49,6 @@ from tokenmill.server.security import request_key
 
 logger = logging.getLogger(__name__)
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse, "description": desc}
-    for code, desc in (
-        (400, "Invalid request"),
-        (401, "Missing or wrong API key"),
-        (404, "Unknown model"),
-        (408, "Body not received in time"),
-        (413, "Body too large"),
-        (429, "Rate limit or full queue (see Retry-After)"),
-        (500, "Engine failure"),
-        (503, "Shutting down, engine restarting or dead"),
-        (504, "Past its deadline (request_timeout, max_queue_time)"),
-    )
-}
-_SSE = {"content": {"text/event-stream": {}}, "description": "JSON, or with stream=true server-sent events"}
 _PUBLIC_PATHS = frozenset({"/health", "/ready"})
 THROUGHPUT_LOG_INTERVAL_S = 10.0
 
@@ -103,12 +88,12 @@ def build_app(state: ServerState) -> FastAPI:
     if state.config.dashboard:
         app.include_router(dashboard.router)
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: _SSE})
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=streamed(ROUTE_ERRORS))
     async def completions(body: CompletionRequest, request: Request) -> Any:
         async with state_for_model(state, body.model, request_key(request.scope)) as target:
             return await create_completion(target, body, request, request_key(request.scope))
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, 200: _SSE})
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=streamed(ROUTE_ERRORS))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         async with state_for_model(state, body.model, request_key(request.scope)) as target:
             return await create_chat_completion(target, body, request, request_key(request.scope))
@@ -119,7 +104,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(responses.router(state))
     app.include_router(embeddings.router(state))
 
-    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
+    @app.get("/v1/models", response_model=ModelList, responses={401: ROUTE_ERRORS[401]})
     async def models(request: Request) -> Any:
         if state.models is not None:  # as JSON: the cards' extra fields (version, aliases, state) stay
             cards = model_cards(state.models, request_key(request.scope))
@@ -128,7 +113,7 @@ def build_app(state: ServerState) -> FastAPI:
         card = ModelCard(id=state.model_name, root=state.model_name, max_model_len=state.engine.max_model_len)
         return ModelList(data=[card])
 
-    @app.get("/health", responses={503: _ERRORS[503]})
+    @app.get("/health", responses={503: ROUTE_ERRORS[503]})
     async def health() -> Response:
         """Liveness: 503 while a new engine starts after one died, once the engine is dead for good,
         or while a step has stalled."""
@@ -143,7 +128,7 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse(error_body(503, "the engine step has stalled.", "engine_stalled"), status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/ready", responses={503: _ERRORS[503]})
+    @app.get("/ready", responses={503: ROUTE_ERRORS[503]})
     async def ready() -> Response:
         """Readiness: the model is loaded and new requests are accepted. Not while a new engine
         starts (requests sent meanwhile wait for it, but a balancer should send them elsewhere)."""
@@ -170,27 +155,27 @@ def build_app(state: ServerState) -> FastAPI:
     # The last added runs first: keys are checked before any body is read.
     public = _PUBLIC_PATHS | {"/metrics"} if state.config.metrics_public else _PUBLIC_PATHS
     app.add_middleware(
-        BodyLimitMiddleware,  # type: ignore[arg-type]
+        BodyLimitMiddleware,
         max_bytes=state.config.max_body_bytes,
         upload_bytes=upload_body_limit(state),
     )
     if state.config.body_read_timeout_s is not None:  # bounds the body limit's read of the body
-        app.add_middleware(ReadDeadlineMiddleware, timeout_s=state.config.body_read_timeout_s)  # type: ignore[arg-type]
-    app.add_middleware(AuthMiddleware, state=state, public_paths=public)  # type: ignore[arg-type]
+        app.add_middleware(ReadDeadlineMiddleware, timeout_s=state.config.body_read_timeout_s)
+    app.add_middleware(AuthMiddleware, state=state, public_paths=public)
     # Outside auth and the body limit, so that their 401s, 429s and 413s are counted too.
-    app.add_middleware(ErrorTrackerMiddleware, tracker=dashboard.errors)  # type: ignore[arg-type]
+    app.add_middleware(ErrorTrackerMiddleware, tracker=dashboard.errors)
     if audit is not None:  # outside auth and the body limit, so that their 401s, 429s and 413s are written too
-        app.add_middleware(AuditMiddleware, audit=audit, model_name=state.model_name)  # type: ignore[arg-type]
+        app.add_middleware(AuditMiddleware, audit=audit, model_name=state.model_name)
     if state.config.allowed_origins:  # outside auth: preflights carry no key, and 401s need CORS headers
         app.add_middleware(
-            CORSMiddleware,  # type: ignore[arg-type]
+            CORSMiddleware,
             allow_origins=list(state.config.allowed_origins),
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["*"],
             expose_headers=["Retry-After"],
         )
     hosts = allowed_hosts(state.config.host, state.config.allowed_hosts)
-    app.add_middleware(HostMiddleware, allowed=hosts)  # type: ignore[arg-type]
+    app.add_middleware(HostMiddleware, allowed=hosts)
     return app
 
 

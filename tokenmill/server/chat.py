@@ -100,7 +100,7 @@ async def prepare_chat(
     ids = await chat_token_ids(state, messages, body.add_generation_prompt, plan.template_tools, template_kwargs)
     if (parser := state.reasoning_parser) is not None:
         # Whether the reply begins inside reasoning may hang on the prompt's end (an open <think>).
-        tail = state.engine.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]) if state.engine.tokenizer else ""
+        tail = str(state.engine.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:])) if state.engine.tokenizer else ""
         plan = dataclasses.replace(plan, reasoning=parser.for_reply(tail, constraint is not None))
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
@@ -234,7 +234,7 @@ def _deltas(plan: ToolPlan, delta: ReplyDelta, finished: bool, logprobs: Any) ->
         answer["tool_calls"] = delta.tool_calls
     if answer or finished or (not deltas and logprobs is not None):
         deltas.append(answer)
-    chunks = [{"delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+    chunks: list[dict[str, Any]] = [{"delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
     if chunks:
         chunks[0]["logprobs"] = logprobs
         chunks[-1]["finish_reason"] = delta.finish_reason if finished else None

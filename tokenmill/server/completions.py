@@ -40,7 +40,7 @@ def _prompts(body: CompletionRequest) -> list[str | list[int]]:
     if isinstance(p, str):
         return [p]
     if p and isinstance(p[0], int):
-        return [p]  # type: ignore[list-item]
+        return [p]
     return list(p)  # type: ignore[arg-type]
 
 
@@ -115,7 +115,7 @@ def _echo_text(state: ServerState, prompt_text: str | None, prompt_ids: list[int
     if prompt_text is not None:
         return prompt_text
     tokenizer = state.engine.tokenizer
-    return tokenizer.decode(prompt_ids) if tokenizer is not None else ""
+    return str(tokenizer.decode(prompt_ids)) if tokenizer is not None else ""
 
 
 def _choice(

@@ -18,6 +18,7 @@ from tokenmill.server.config import ServerState
 from tokenmill.server.embeddings_jobs import PoolingResult, check_pooling, run_pooling
 from tokenmill.server.embeddings_protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from tokenmill.server.errors import APIError
+from tokenmill.server.openapi_errors import ROUTE_ERRORS
 from tokenmill.server.pool.pool import state_for_model
 from tokenmill.server.protocol import new_id
 from tokenmill.server.security import request_key
@@ -28,7 +29,7 @@ def router(state: ServerState) -> APIRouter:
     routes = APIRouter()
     routes.include_router(rerank.router(state))
 
-    @routes.post("/v1/embeddings", response_model=EmbeddingResponse)
+    @routes.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ROUTE_ERRORS)
     async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
         key = request_key(request.scope)
         async with state_for_model(state, body.model, key) as target:

@@ -39,7 +39,7 @@ class EmbeddingRequest(StrictModel):
         """The inputs, one per embedding: a string, a token-id list, or a list of either."""
         given = self.input
         if isinstance(given, str) or (given and isinstance(given[0], int)):
-            return [given]  # type: ignore[list-item]
+            return [given]
         return list(given)  # type: ignore[arg-type]
 
 

@@ -13,7 +13,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from tokenmill.server.config import ServerState
 from tokenmill.server.errors import APIError
 from tokenmill.server.files_store import FileObject, FileStore, new_file_id
-from tokenmill.server.protocol import ErrorResponse
+from tokenmill.server.openapi_errors import error_responses
 from tokenmill.server.security import request_key
 
 UPLOAD_PATH = "/v1/files"
@@ -21,16 +21,7 @@ UPLOAD_PATH = "/v1/files"
 UPLOAD_ENVELOPE_BYTES = 64 << 10
 UPLOAD_PURPOSES = ("batch",)
 # The error answers of the Files and Batch routes, for their OpenAPI schema.
-ROUTE_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse, "description": desc}
-    for code, desc in (
-        (400, "Invalid request or input file"),
-        (401, "Missing or wrong API key"),
-        (404, "No such file or batch (or not this key's)"),
-        (413, "File too large"),
-        (429, "Too many failed logins"),
-    )
-}
+ROUTE_ERRORS = error_responses(s404="No such file or batch (or not this key's)", s413="File too large")
 
 
 def upload_body_limit(state: ServerState) -> int:

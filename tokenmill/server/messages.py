@@ -26,33 +26,31 @@ from tokenmill.server.anthropic_reply import message_response, new_message_id
 from tokenmill.server.chat import prepare_chat
 from tokenmill.server.config import ServerState
 from tokenmill.server.messages_stream import MessageStreamingResponse, message_events
+from tokenmill.server.openapi_errors import error_responses, streamed
 from tokenmill.server.pool.pool import state_for_model
 from tokenmill.server.security import request_key
 from tokenmill.server.streaming import finish
 from tokenmill.server.tool_output import whole_reply
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": AnthropicErrorResponse, "description": desc}
-    for code, desc in (
-        (400, "Invalid request (invalid_request_error)"),
-        (401, "Missing or wrong API key (authentication_error)"),
-        (403, "The key may not use this model (permission_error)"),
-        (404, "Unknown model (not_found_error)"),
-        (408, "Body not received in time"),
-        (413, "Body too large (request_too_large)"),
-        (429, "Rate limit or full queue, see Retry-After (rate_limit_error)"),
-        (500, "Engine failure (api_error)"),
-        (503, "Shutting down, engine restarting or dead (overloaded_error)"),
-        (504, "Past its deadline (timeout_error)"),
-    )
-}
-_SSE = {"content": {"text/event-stream": {}}, "description": "JSON, or with stream=true Anthropic's events"}
+_ERRORS = error_responses(
+    AnthropicErrorResponse,
+    s400="Invalid request (invalid_request_error)",
+    s401="Missing or wrong API key (authentication_error)",
+    s403="The key may not use this model (permission_error)",
+    s404="Unknown model (not_found_error)",
+    s413="Body too large (request_too_large)",
+    s429="Rate limit or full queue, see Retry-After (rate_limit_error)",
+    s500="Engine failure (api_error)",
+    s503="Shutting down, engine restarting or dead (overloaded_error)",
+    s504="Past its deadline (timeout_error)",
+)
+_SSE = streamed(_ERRORS, "Anthropic's events")
 
 
 def router(state: ServerState) -> APIRouter:
     api = APIRouter(tags=["anthropic"])
 
-    @api.post("/v1/messages", response_model=MessageResponse, responses={**_ERRORS, 200: _SSE})
+    @api.post("/v1/messages", response_model=MessageResponse, responses=_SSE)
     async def messages(body: MessagesRequest, request: Request) -> Any:
         """Anthropic's Messages API: `anthropic-version` and `x-api-key` (or a Bearer key) are accepted."""
         key = request_key(request.scope)

@@ -29,6 +29,7 @@ from tokenmill.server.embeddings_protocol import (
     ScoreResponse,
 )
 from tokenmill.server.errors import APIError
+from tokenmill.server.openapi_errors import ROUTE_ERRORS
 from tokenmill.server.pool.pool import state_for_model
 from tokenmill.server.prompts import check_prompt_size
 from tokenmill.server.protocol import new_id, now
@@ -45,7 +46,7 @@ class Scores:
 def router(state: ServerState) -> APIRouter:
     routes = APIRouter()
 
-    @routes.post("/v1/score", response_model=ScoreResponse)
+    @routes.post("/v1/score", response_model=ScoreResponse, responses=ROUTE_ERRORS)
     async def score(body: ScoreRequest, request: Request) -> Any:
         key = request_key(request.scope)
         async with state_for_model(state, body.model, key) as target:
@@ -69,7 +70,7 @@ def router(state: ServerState) -> APIRouter:
             )
             return JSONResponse(response.model_dump(), headers=scores.result.job.admission.headers)
 
-    @routes.post("/v1/rerank", response_model=RerankResponse, response_model_exclude_none=True)
+    @routes.post("/v1/rerank", response_model=RerankResponse, response_model_exclude_none=True, responses=ROUTE_ERRORS)
     async def rerank(body: RerankRequest, request: Request) -> Any:
         key = request_key(request.scope)
         async with state_for_model(state, body.model, key) as target:

@@ -23,8 +23,9 @@ from tokenmill.server.chat import chat_response, prepare_chat
 from tokenmill.server.config import ServerState
 from tokenmill.server.errors import INTERNAL_ERROR_MESSAGE, APIError
 from tokenmill.server.job import Job, close
+from tokenmill.server.openapi_errors import error_responses, streamed
 from tokenmill.server.pool.pool import state_for_model
-from tokenmill.server.protocol import ChatCompletionRequest, ErrorResponse, now
+from tokenmill.server.protocol import ChatCompletionRequest, now
 from tokenmill.server.response_store import ResponseStore, StoredResponse
 from tokenmill.server.responses_protocol import (
     DeletedResponse,
@@ -51,21 +52,8 @@ from tokenmill.server.tools import ToolPlan
 
 logger = logging.getLogger(__name__)
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse, "description": desc}
-    for code, desc in (
-        (400, "Invalid request"),
-        (401, "Missing or wrong API key"),
-        (404, "No such response (for this API key), or unknown model"),
-        (408, "Body not received in time"),
-        (413, "Body too large"),
-        (429, "Rate limit or full queue (see Retry-After)"),
-        (500, "Engine failure"),
-        (503, "Shutting down, engine restarting or dead"),
-        (504, "Past its deadline (request_timeout)"),
-    )
-}
-_CREATED = {**_ERRORS, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or with stream: true events"}}
+_ERRORS = error_responses(s404="No such response (for this API key), or unknown model")
+_CREATED = streamed(_ERRORS, "events")
 
 
 def router(state: ServerState) -> APIRouter:
