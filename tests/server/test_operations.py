@@ -102,6 +102,13 @@ def test_models_show_no_paths(local: RunningServer, chat_model: Path) -> None:
         ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "stop": "\\ud800"}'),
         ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "user": "\\ud800"}'),
         ("/v1/completions", '{"model": "\\ud800", "prompt": "hi", "max_tokens": 2}'),
+        ("/v1/responses", '{"model": "tiny-chat", "input": "\\ud800", "max_output_tokens": 2}'),
+        (
+            "/v1/messages",
+            '{"model": "tiny-chat", "max_tokens": 2, "messages": [{"role": "user", "content": "\\ud800"}]}',
+        ),
+        ("/v1/embeddings", '{"model": "tiny-chat", "input": "\\ud800"}'),
+        ("/v1/rerank", '{"model": "tiny-chat", "query": "\\ud800", "documents": ["a"]}'),
     ],
 )
 def test_lone_surrogate_is_a_400(local: RunningServer, path: str, body: str) -> None:

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.server.protocol import (
     MAX_STOP_STRINGS,
     NonNegativeInt,
     PositiveInt,
     StopString,
-    _lone_surrogate,
 )
 from tokenmill.server.protocol_tools import MAX_TOOLS, FunctionName
-from tokenmill.server.strict import StrictModel
+from tokenmill.server.strict import RequestBody, StrictModel
 
 CacheControl = dict[str, Any] | None
 
@@ -120,7 +118,7 @@ AnthropicToolChoice = Annotated[
 ]
 
 
-class CountTokensRequest(StrictModel):
+class CountTokensRequest(RequestBody):
     """POST /v1/messages/count_tokens: the conversation, its system prompt and tools."""
 
     model: str
@@ -133,15 +131,6 @@ class CountTokensRequest(StrictModel):
         description='"enabled" or "adaptive" need --reasoning-parser (the reply\'s reasoning comes as a thinking '
         'block; budget_tokens is not used); without one, 400. "disabled" is accepted.',
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_lone_surrogates(cls, data: Any) -> Any:
-        if (where := _lone_surrogate(data)) is not None:
-            raise PydanticCustomError(
-                "invalid_unicode", "{where} holds a lone UTF-16 surrogate, which is not Unicode text", {"where": where}
-            )
-        return data
 
 
 class Metadata(StrictModel):

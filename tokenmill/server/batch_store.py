@@ -12,7 +12,7 @@ from typing import Any
 
 from tokenmill.server.batches_protocol import Batch
 from tokenmill.server.errors import APIError
-from tokenmill.server.files_store import write_atomically
+from tokenmill.server.files_store import list_page, write_atomically
 
 MAX_LIST_LIMIT = 100  # OpenAI's bound on GET /v1/batches?limit=
 
@@ -68,13 +68,4 @@ class BatchStore:
             key=lambda b: (b.created_at, b.id),
             reverse=True,
         )
-        ids = [b.id for b in mine]
-        start = ids.index(after) + 1 if after in ids else 0
-        page = mine[start : start + limit]
-        return {
-            "object": "list",
-            "data": [b.model_dump() for b in page],
-            "first_id": page[0].id if page else None,
-            "last_id": page[-1].id if page else None,
-            "has_more": start + limit < len(mine),
-        }
+        return list_page(mine, limit, after)

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.server.protocol import PositiveInt, Priority, TokenId
-from tokenmill.server.strict import StrictModel
+from tokenmill.server.strict import RequestBody, StrictModel
 
 Text = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -22,7 +22,7 @@ class _Out(BaseModel):
 
 
 # ---------------------------------------------------------------------- /v1/embeddings
-class EmbeddingRequest(StrictModel):
+class EmbeddingRequest(RequestBody):
     input: Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
     model: str | None = Field(default=None, description="The served model's id (see /v1/models).")
     encoding_format: Literal["float", "base64"] = Field(
@@ -62,7 +62,7 @@ class EmbeddingResponse(_Out):
 
 
 # ---------------------------------------------------------------------- /v1/score and /v1/rerank
-class ScoreRequest(StrictModel):
+class ScoreRequest(RequestBody):
     """text_1 against each of text_2 (one text_1, or as many as text_2, paired in order)."""
 
     model: str | None = None
@@ -91,7 +91,7 @@ class RerankDocument(StrictModel):
     text: Text
 
 
-class RerankRequest(StrictModel):
+class RerankRequest(RequestBody):
     model: str | None = None
     query: Text
     documents: Annotated[list[Text | RerankDocument], Field(min_length=1)]

@@ -8,8 +8,9 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel
 
@@ -79,16 +80,7 @@ class FileStore:
             raise APIError(400, 'order must be "asc" or "desc".', "invalid_request", "order")
         mine = [r for o, r in self._records.values() if o == owner and (purpose is None or r.purpose == purpose)]
         mine.sort(key=lambda r: (r.created_at, r.id), reverse=order == "desc")
-        ids = [r.id for r in mine]
-        start = ids.index(after) + 1 if after in ids else 0
-        page = mine[start : start + limit]
-        return {
-            "object": "list",
-            "data": [r.model_dump() for r in page],
-            "first_id": page[0].id if page else None,
-            "last_id": page[-1].id if page else None,
-            "has_more": start + limit < len(mine),
-        }
+        return list_page(mine, limit, after)
 
     def delete(self, owner: str, file_id: str) -> None:
         self.get(owner, file_id)
@@ -107,3 +99,23 @@ def write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+class _Listed(Protocol):
+    id: str
+
+    def model_dump(self) -> dict[str, Any]: ...
+
+
+def list_page(items: Sequence[_Listed], limit: int, after: str | None) -> dict[str, Any]:
+    """OpenAI's list object for `items` (already in order): `limit` of them after the id `after`."""
+    ids = [item.id for item in items]
+    start = ids.index(after) + 1 if after in ids else 0
+    page = items[start : start + limit]
+    return {
+        "object": "list",
+        "data": [item.model_dump() for item in page],
+        "first_id": page[0].id if page else None,
+        "last_id": page[-1].id if page else None,
+        "has_more": start + limit < len(items),
+    }

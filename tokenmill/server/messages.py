@@ -25,11 +25,11 @@ from tokenmill.server.anthropic_protocol import (
 from tokenmill.server.anthropic_reply import message_response, new_message_id
 from tokenmill.server.chat import prepare_chat
 from tokenmill.server.config import ServerState
-from tokenmill.server.messages_stream import MessageStreamingResponse, message_events
+from tokenmill.server.messages_stream import message_events, stream_frames
 from tokenmill.server.openapi_errors import error_responses, streamed
 from tokenmill.server.pool.pool import state_for_model
 from tokenmill.server.security import request_key
-from tokenmill.server.streaming import finish
+from tokenmill.server.streaming import JobStreamingResponse, finish
 from tokenmill.server.tool_output import whole_reply
 
 _ERRORS = error_responses(
@@ -75,7 +75,7 @@ async def create_message(state: ServerState, body: MessagesRequest, request: Req
         prepared, plan = await prepare_chat(state, chat, key, message_id)
         job = admit(state, key, [prepared], arrival, chat)
     if body.stream:
-        return MessageStreamingResponse(state, job, message_events(state, plan, job, message_id))
+        return JobStreamingResponse(state, job, message_events(state, plan, job, message_id), stream_frames)
     await finish(state, job, request)
     out = job.outputs[0].outputs[0]
     reply = whole_reply(plan, out.text, out.finish_reason)

@@ -12,14 +12,11 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.responses import StreamingResponse
-
 from tokenmill.server.anthropic_errors import anthropic_error_body
 from tokenmill.server.anthropic_reply import stop_reason, tool_use_id, usage
-from tokenmill.server.audit import attach_job
 from tokenmill.server.config import ServerState
 from tokenmill.server.errors import INTERNAL_ERROR_MESSAGE, APIError
-from tokenmill.server.job import Job, close, run_job
+from tokenmill.server.job import Job, run_job
 from tokenmill.server.tool_output import ReplyDelta, ReplyStream
 from tokenmill.server.tools import ToolPlan
 
@@ -114,22 +111,3 @@ async def stream_frames(events: AsyncIterator[str]) -> AsyncIterator[str]:
     except Exception:
         logger.exception("a stream failed")
         yield event(anthropic_error_body(500, INTERNAL_ERROR_MESSAGE))
-
-
-class MessageStreamingResponse(StreamingResponse):
-    """Anthropic's events of a job's reply; the job is closed however the stream ends."""
-
-    def __init__(self, state: ServerState, job: Job, events: AsyncIterator[str]) -> None:
-        super().__init__(
-            stream_frames(events),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **job.admission.headers},
-        )
-        self.state, self.job = state, job
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        attach_job(scope, self.job)
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            close(self.state, self.job)

@@ -14,7 +14,6 @@ generation_config.json (see `--generation-config`), then OpenAI's."""
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -26,9 +25,7 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     model_serializer,
-    model_validator,
 )
-from pydantic_core import PydanticCustomError
 
 from tokenmill.sampling_params import MAX_N
 from tokenmill.server.protocol_tools import (
@@ -39,7 +36,7 @@ from tokenmill.server.protocol_tools import (
     Tool,
     ToolChoice,
 )
-from tokenmill.server.strict import StrictModel
+from tokenmill.server.strict import RequestBody, StrictModel
 
 MAX_LOGPROBS = 20
 
@@ -72,38 +69,11 @@ Bias = Annotated[float, Field(ge=-100, le=100)]
 Seconds = Annotated[float, Field(gt=0, le=1e7)]
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _lone_surrogate(data: object) -> str | None:
-    """Where in a parsed JSON body a string holds a lone surrogate ("\\ud800" is valid JSON but no
-    Unicode text: it can be neither tokenized nor sent back as UTF-8), else None. Iterative: bodies
-    may nest deeply."""
-    stack: list[tuple[object, str]] = [(data, "")]
-    while stack:
-        value, path = stack.pop()
-        if isinstance(value, str):
-            if _SURROGATE.search(value):
-                return path[:200] or "the body"
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                if _SURROGATE.search(key):
-                    return f"a key of {path[:200] or 'the body'}"
-                stack.append((item, f"{path}.{key}" if path else key))
-        elif isinstance(value, list):
-            stack.extend(
-                (item, f"{path}.{i}" if path else str(i))
-                for i, item in enumerate(value)
-                if isinstance(item, (str, dict, list))  # not each token id of a long prompt
-            )
-    return None
-
-
 class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class _SamplingFields(StrictModel):
+class _SamplingFields(RequestBody):
     """Fields the completions and chat endpoints share."""
 
     model: str | None = Field(default=None, description="The served model's id (see /v1/models).")
@@ -153,15 +123,6 @@ class _SamplingFields(StrictModel):
     guided_regex: str | None = Field(default=None, description="structured_outputs.regex (old name).")
     guided_choice: list[str] | None = Field(default=None, description="structured_outputs.choice (old name).")
     guided_grammar: str | None = Field(default=None, description="structured_outputs.grammar (old name).")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_lone_surrogates(cls, data: Any) -> Any:
-        if (where := _lone_surrogate(data)) is not None:
-            raise PydanticCustomError(
-                "invalid_unicode", "{where} holds a lone UTF-16 surrogate, which is not Unicode text", {"where": where}
-            )
-        return data
 
 
 class CompletionRequest(_SamplingFields):

@@ -35,7 +35,7 @@ from tokenmill.server.responses_protocol import (
     ResponseObject,
     ResponsesRequest,
 )
-from tokenmill.server.responses_stream import EventStreamResponse, response_events
+from tokenmill.server.responses_stream import response_events
 from tokenmill.server.responses_translate import (
     chat_request,
     echoed_settings,
@@ -47,7 +47,7 @@ from tokenmill.server.responses_translate import (
     output_items,
 )
 from tokenmill.server.security import request_key
-from tokenmill.server.streaming import finish
+from tokenmill.server.streaming import JobStreamingResponse, finish
 from tokenmill.server.tools import ToolPlan
 
 logger = logging.getLogger(__name__)
@@ -152,7 +152,8 @@ async def _create(
                 done(base.model_copy(update={"status": "cancelled"}))
 
         events = response_events(state, plan, job, base, done, lambda: entry.cancelled)
-        return EventStreamResponse(state, job, events, closed)
+        # The events end themselves (an `error` event, then response.failed): no framing around them.
+        return JobStreamingResponse(state, job, events, lambda frames: frames, closed)
     if body.background:
         entry.response = base.model_copy(update={"status": "queued"})
         task = asyncio.ensure_future(_run(state, chat, plan, job, entry, done))

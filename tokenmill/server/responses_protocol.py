@@ -12,7 +12,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 
 from tokenmill.server.protocol import Int64, Metadata, PositiveInt, Priority, Seconds, TopK
 from tokenmill.server.protocol_tools import MAX_TOOLS, FunctionName
-from tokenmill.server.strict import StrictModel
+from tokenmill.server.strict import RequestBody, StrictModel
 
 # ---------------------------------------------------------------------- input items
 
@@ -194,7 +194,7 @@ def _text_as_message(value: Any) -> Any:
     return [{"role": "user", "content": value}] if isinstance(value, str) else value
 
 
-class ResponsesRequest(StrictModel):
+class ResponsesRequest(RequestBody):
     model: str | None = Field(default=None, description="The served model's id (see /v1/models).")
     input: Annotated[list[InputItem], Field(min_length=1), BeforeValidator(_text_as_message)] = Field(
         description="Text (one user message), or items: messages, function_call, function_call_output."

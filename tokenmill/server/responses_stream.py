@@ -25,12 +25,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fastapi.responses import StreamingResponse
-
-from tokenmill.server.audit import attach_job
 from tokenmill.server.config import ServerState
 from tokenmill.server.errors import INTERNAL_ERROR_MESSAGE, APIError
-from tokenmill.server.job import Job, close, run_job
+from tokenmill.server.job import Job, run_job
 from tokenmill.server.responses_protocol import (
     ItemStatus,
     OutputFunctionCall,
@@ -47,27 +44,6 @@ from tokenmill.server.tool_output import ReplyDelta, ReplyStream
 from tokenmill.server.tools import ToolPlan
 
 logger = logging.getLogger(__name__)
-
-
-class EventStreamResponse(StreamingResponse):
-    """Server-sent events that close their job however the stream ends (a client gone aborts it), then
-    call `closed` (even when the client left before the first event, and the events never began)."""
-
-    def __init__(self, state: ServerState, job: Job, events: AsyncIterator[str], closed: Callable[[], None]) -> None:
-        super().__init__(
-            events,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **job.admission.headers},
-        )
-        self.state, self.job, self.closed = state, job, closed
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        attach_job(scope, self.job)
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            close(self.state, self.job)
-            self.closed()
 
 
 class _Events:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -66,15 +66,24 @@ async def sse_frames(frames: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 class JobStreamingResponse(StreamingResponse):
-    """A stream that closes its job however it ends, even when the client left before it began."""
+    """A stream that closes its job however it ends, even when the client left before it began, then
+    calls `on_close`. `framing` turns the frames into the API's stream: OpenAI's SSE with its error frame
+    and [DONE] by default; the Responses and Messages APIs end their streams their own way."""
 
-    def __init__(self, state: ServerState, job: Job, frames: AsyncIterator[str]) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        job: Job,
+        frames: AsyncIterator[str],
+        framing: Callable[[AsyncIterator[str]], AsyncIterator[str]] = sse_frames,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(
-            sse_frames(frames),
+            framing(frames),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **job.admission.headers},
         )
-        self.state, self.job = state, job
+        self.state, self.job, self.on_close = state, job, on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         attach_job(scope, self.job)
@@ -82,6 +91,8 @@ class JobStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             close(self.state, self.job)
+            if self.on_close is not None:
+                self.on_close()
 
 
 async def finish(state: ServerState, job: Job, request: Request | None) -> None:
