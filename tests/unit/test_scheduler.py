@@ -16,7 +16,7 @@ from tokenmill.config import SchedulerConfig
 from tokenmill.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduling.kv_cache_manager import KVCacheManager
-from tokenmill.scheduling.request import Request, RequestStatus
+from tokenmill.scheduling.request import BACKGROUND_PRIORITY, Request, RequestStatus
 from tokenmill.scheduling.scheduler import Scheduler
 
 BS = 4
@@ -408,6 +408,45 @@ def test_a_higher_priority_request_admitted_later_is_not_the_victim() -> None:
             break
     assert low.status == RequestStatus.PREEMPTED
     assert high.status == RequestStatus.RUNNING
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_background_request_sits_out_every_step_another_request_wants(policy: str) -> None:
+    scheduler = make_scheduler(policy=policy)
+    runner = FakeRunner()
+    batch = make_request("batch", prompt_len=4, max_tokens=20, priority=BACKGROUND_PRIORITY, arrival=0.0)
+    scheduler.add_request(batch)
+    out, _ = step(scheduler, runner)
+    assert set(out.num_scheduled_tokens) == {"batch"}  # alone, it runs
+    online = make_request("online", prompt_len=6, max_tokens=3, arrival=1.0)
+    scheduler.add_request(online)
+    while online.status != RequestStatus.FINISHED_LENGTH:
+        out, _ = step(scheduler, runner)
+        assert "batch" not in out.num_scheduled_tokens  # neither beside the prompt nor beside decodes
+        assert batch.status == RequestStatus.RUNNING  # it keeps its blocks and its progress
+    out, _ = step(scheduler, runner)
+    assert set(out.num_scheduled_tokens) == {"batch"}  # and runs again once it is alone
+    run_to_completion(scheduler, runner)
+    assert batch.output_token_ids == [counting(i) for i in range(20)]
+    assert_no_block_leaked(scheduler)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_waiting_request_preempts_background_requests_that_hold_the_blocks(policy: str) -> None:
+    scheduler = make_scheduler(num_blocks=4, policy=policy)
+    runner = FakeRunner()
+    background = [make_request(f"b{i}", prompt_len=8, max_tokens=4, priority=BACKGROUND_PRIORITY) for i in range(2)]
+    for request in background:  # their prompts fill the pool: 2 blocks each
+        scheduler.add_request(request)
+    step(scheduler, runner)
+    online = make_request("online", prompt_len=8, max_tokens=2, arrival=1.0)  # needs 2 of the 4 blocks
+    scheduler.add_request(online)
+    out, _ = step(scheduler, runner)
+    assert [n.req_id for n in out.new_requests] == ["online"]
+    assert out.finished_req_ids == {"b1"}  # the last background request gave its blocks back
+    run_to_completion(scheduler, runner)
+    assert [r.output_token_ids for r in background] == [[counting(i) for i in range(4)]] * 2
+    assert_no_block_leaked(scheduler)
 
 
 def test_a_preempted_request_goes_back_to_the_front_of_the_fcfs_queue() -> None:

@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
+# The idle class (the Batch API's lines): a request at this priority is computed only in steps that no
+# other request wants, under every scheduling policy; it keeps its blocks meanwhile unless a waiting
+# request needs them (then it is preempted). Online traffic thus never shares a step with it.
+BACKGROUND_PRIORITY = (1 << 31) - 1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -58,6 +63,10 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+
+    @property
+    def background(self) -> bool:
+        return self.priority >= BACKGROUND_PRIORITY
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -102,6 +102,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._ended_since_last_step: set[str] = set()
+        self._num_background = 0  # requests of the idle class (BACKGROUND_PRIORITY) not finished
 
     # ------------------------------------------------------------------ requests in and out
     @property
@@ -116,6 +117,7 @@ class Scheduler:
         if request.req_id in self.requests:
             raise ValueError(f"request id {request.req_id!r} is already in use.")
         self.requests[request.req_id] = request
+        self._num_background += request.background
         self.waiting.add(request)
 
     def finish_request(self, req_id: str, status: RequestStatus) -> None:
@@ -123,6 +125,7 @@ class Scheduler:
         request = self.requests.pop(req_id, None)
         if request is None:
             return
+        self._num_background -= request.background
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -153,9 +156,11 @@ class Scheduler:
         ended = self._ended_since_last_step
         self._ended_since_last_step = set()
 
-        budget, preempted = self._schedule_running(budget, num_scheduled, spec_tokens, cached_reqs, ended)
+        # Background requests sit out every step in which any other request runs or waits.
+        idle = 0 < self._num_background < len(self.requests)
+        budget, preempted = self._schedule_running(budget, num_scheduled, spec_tokens, cached_reqs, ended, idle)
         if not preempted:
-            self._schedule_waiting(budget, num_scheduled, new_reqs)
+            self._schedule_waiting(budget, num_scheduled, new_reqs, ended, idle)
 
         total = sum(num_scheduled.values())
         self._record_step(num_scheduled, total)
@@ -193,6 +198,7 @@ class Scheduler:
         spec_tokens: dict[str, list[int]],
         cached_reqs: list[CachedRequestData],
         ended: set[str],
+        idle: bool,
     ) -> tuple[int, bool]:
         # Most important first, so the victims (taken from the tail) are the least important.
         self.running.sort(key=self._victim_key)
@@ -200,6 +206,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if idle and request.background:
+                i += 1
+                continue
             # Draft tokens are scheduled tokens of the request: their KV slots are allocated with the rest.
             drafts = self._drafts_to_verify(request, budget)
             num_new = min(request.num_tokens + len(drafts) - request.num_computed_tokens, budget)
@@ -239,6 +248,15 @@ class Scheduler:
                 return block_ids
         return self.kv_cache.allocate_slots(request, num_new, computed_blocks)
 
+    def _preempt_background(self, ended: set[str]) -> bool:
+        """Preempt the last background request that runs (it sat out this step), for a waiting
+        request the pool has no room for: else it could wait on blocks that idle requests hold."""
+        for i in range(len(self.running) - 1, -1, -1):
+            if self.running[i].background:
+                self._preempt(self.running.pop(i), ended)
+                return True
+        return False
+
     def _preempt(self, request: Request, ended: set[str]) -> None:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -254,7 +272,14 @@ class Scheduler:
             request.num_preemptions,
         )
 
-    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData]) -> None:
+    def _schedule_waiting(
+        self,
+        budget: int,
+        num_scheduled: dict[str, int],
+        new_reqs: list[NewRequestData],
+        ended: set[str],
+        idle: bool,
+    ) -> None:
         deferred: list[Request] = []
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
@@ -262,12 +287,22 @@ class Scheduler:
             if leader is not None and not leader.is_finished and not leader.prompt_done():
                 deferred.append(self.waiting.pop())  # let its sibling fill the prefix cache first
                 continue
+            if idle and request.background:
+                deferred.append(self.waiting.pop())
+                continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget)
             new_block_ids = self._allocate_with_lookahead(request, num_new, computed_blocks)
+            made_room = False
+            while new_block_ids is None and not request.background and self._preempt_background(ended):
+                made_room = True  # the victims went back to the queue, maybe ahead of this request
+                new_block_ids = self._allocate_with_lookahead(request, num_new, computed_blocks)
             if new_block_ids is None:
                 break  # the pool is full: wait for running requests to finish
-            self.waiting.pop()
+            if made_room:
+                self.waiting.remove(request)
+            else:
+                self.waiting.pop()
             self.kv_cache.record_lookup(request.num_tokens, num_cached)
             request.prefill_leader = None
             request.num_computed_tokens = num_cached

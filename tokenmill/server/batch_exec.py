@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from tokenmill.scheduling.request import BACKGROUND_PRIORITY
 from tokenmill.server.admission import admit
 from tokenmill.server.batch_lines import BatchLine
 from tokenmill.server.chat import chat_response, prepare_chat
@@ -24,10 +25,6 @@ from tokenmill.server.streaming import finish
 
 logger = logging.getLogger(__name__)
 
-# The lowest priority a request can have (lower runs first): with --scheduling-policy priority, every
-# online request is scheduled before a batch line, and batch lines are preempted first.
-BATCH_PRIORITY = (1 << 31) - 1
-
 
 class RetryLater(Exception):
     """The server is full (a 429 or a 503 that passes): the line runs again later, it has not failed."""
@@ -37,7 +34,9 @@ class RetryLater(Exception):
         self.seconds = seconds
 
 
-async def run_line(state: ServerState, key: str, line: BatchLine, priority: int = BATCH_PRIORITY) -> tuple[int, Any]:
+async def run_line(
+    state: ServerState, key: str, line: BatchLine, priority: int = BACKGROUND_PRIORITY
+) -> tuple[int, Any]:
     """The line's (status code, response body); RetryLater when the server is momentarily full."""
     try:
         if line.url == "/v1/chat/completions":

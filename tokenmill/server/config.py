@@ -378,8 +378,8 @@ class ServerConfig:
         4,
         group="batch",
         metavar="N",
-        help="batch lines running at once; they are queued only while no online request waits, at the lowest "
-        "priority, so online traffic goes first",
+        help="batch lines running at once while no online request came in the last 2 s (else one); they are "
+        "queued only while no online request runs or waits, in the scheduler's idle class",
     )
     # Reasoning models and chat templates (reasoning.py, chat.py)
     reasoning_parser: str | None = setting(
