@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from tokenmill.sampling_params import SamplingParams
+
 # Small but not trivial: GQA (4 query heads on 2 KV heads), several blocks per prompt.
 TINY = dict(
     vocab_size=512,
@@ -170,3 +172,16 @@ def random_prompts(n: int, min_len: int, max_len: int, vocab: int = 512, seed: i
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (n,), generator=gen).tolist()
     return [torch.randint(3, vocab, (length,), generator=gen).tolist() for length in lengths]
+
+
+def teacher_forced_top_tokens(llm: Any, sequences: list[list[int]]) -> list[int]:
+    """The greedy next token at every position of each sequence after its first (teacher-forced: one
+    differing token cannot snowball), all concatenated: for comparing weights' precisions position by
+    position."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    return [
+        max(entry.items(), key=lambda item: item[1].logprob)[0]
+        for out in llm.generate(sequences, params, use_tqdm=False)
+        for entry in (out.prompt_logprobs or [])[1:]
+        if entry is not None
+    ]

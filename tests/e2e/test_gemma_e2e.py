@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_models import make_tiny_model, random_prompts
+from tests.tiny_models import make_tiny_model, random_prompts, teacher_forced_top_tokens
 from tokenmill import LLM, SamplingParams
 
 WINDOW, BLOCK = 24, 16  # the tiny families' window
@@ -38,18 +38,9 @@ def test_window_layers_hold_only_their_window_while_decoding(gemma: Path) -> Non
 def test_int8_greedy_agreement_with_float32(gemma: Path) -> None:
     """Teacher-forced greedy tokens (one difference cannot snowball) of int8 weights against float32."""
     prompts = random_prompts(16, 10, 40, seed=0)
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
 
-    def top_tokens(llm: LLM) -> list[int]:
-        return [
-            max(entry.items(), key=lambda item: item[1].logprob)[0]
-            for out in llm.generate(prompts, params, use_tqdm=False)
-            for entry in (out.prompt_logprobs or [])[1:]
-            if entry is not None
-        ]
-
-    fp32 = top_tokens(LLM(str(gemma), dtype="float32", num_kv_blocks=64))
-    int8 = top_tokens(LLM(str(gemma), dtype="float32", num_kv_blocks=64, quantization="int8"))
+    fp32 = teacher_forced_top_tokens(LLM(str(gemma), dtype="float32", num_kv_blocks=64), prompts)
+    int8 = teacher_forced_top_tokens(LLM(str(gemma), dtype="float32", num_kv_blocks=64, quantization="int8"), prompts)
     assert len(int8) == len(fp32) == sum(len(p) - 1 for p in prompts)
     assert sum(a == b for a, b in zip(int8, fp32)) / len(fp32) >= 0.95
 

@@ -21,7 +21,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from tests.tiny_models import FAMILIES, TINY, hf_model, make_tiny_model, make_tiny_tokenizer, random_prompts
+from tests.tiny_models import (
+    FAMILIES,
+    TINY,
+    hf_model,
+    make_tiny_model,
+    make_tiny_tokenizer,
+    random_prompts,
+    teacher_forced_top_tokens,
+)
 from tokenmill import LLM, SamplingParams, StructuredOutputsParams
 from tokenmill.models.layers import moe as moe_layers
 from tokenmill.models.layers.moe import FusedExperts, SparseMoeBlock
@@ -207,19 +215,10 @@ def test_int8_greedy_agreement_with_float32(tmp_path: Path) -> None:
     and qwen2 (the same measure); 88.3% on this set."""
     folder = make_tiny_model(tmp_path / "qwen2-moe", "qwen2-moe")
     prompts = random_prompts(24, 10, 40, seed=0)
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
 
-    def top_tokens(llm: LLM) -> list[int]:
-        return [
-            max(entry.items(), key=lambda item: item[1].logprob)[0]
-            for out in llm.generate(prompts, params, use_tqdm=False)
-            for entry in (out.prompt_logprobs or [])[1:]
-            if entry is not None
-        ]
-
-    fp32 = top_tokens(LLM(str(folder), dtype="float32", num_kv_blocks=64))
+    fp32 = teacher_forced_top_tokens(LLM(str(folder), dtype="float32", num_kv_blocks=64), prompts)
     int8_llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, quantization="int8")
-    int8 = top_tokens(int8_llm)
+    int8 = teacher_forced_top_tokens(int8_llm, prompts)
     assert len(int8) == len(fp32) == sum(len(p) - 1 for p in prompts)
     assert sum(a == b for a, b in zip(int8, fp32)) / len(fp32) >= 0.85
     model: Any = int8_llm.engine.runner.model

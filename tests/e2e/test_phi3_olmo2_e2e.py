@@ -14,7 +14,7 @@ import pytest
 from tests.e2e import test_int4_e2e as int4_e2e
 from tests.e2e import test_spec_decode_e2e as spec
 from tests.e2e.test_tensor_parallel import TIGHT, _assert_logprobs_close, _generate, _tokens
-from tests.tiny_models import hf_greedy, hf_model, make_tiny_model, random_prompts
+from tests.tiny_models import hf_greedy, hf_model, make_tiny_model, random_prompts, teacher_forced_top_tokens
 from tokenmill import LLM, SamplingParams
 
 pytestmark = pytest.mark.timeout(180)  # a broken collective must fail the test, never hang CI
@@ -57,18 +57,9 @@ def test_int8_greedy_agreement_with_float32(family: str, tmp_path: Path) -> None
     (olmo2) here; llama and qwen2 measure 92-93% the same way (tests/e2e/test_moe_e2e.py)."""
     folder = make_tiny_model(tmp_path, family)
     prompts = random_prompts(16, 10, 40, seed=1)
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
 
-    def top_tokens(llm: LLM) -> list[int]:
-        return [
-            max(entry.items(), key=lambda item: item[1].logprob)[0]
-            for out in llm.generate(prompts, params, use_tqdm=False)
-            for entry in (out.prompt_logprobs or [])[1:]
-            if entry is not None
-        ]
-
-    fp32 = top_tokens(LLM(str(folder), dtype="float32", num_kv_blocks=64))
-    int8 = top_tokens(LLM(str(folder), dtype="float32", num_kv_blocks=64, quantization="int8"))
+    fp32 = teacher_forced_top_tokens(LLM(str(folder), dtype="float32", num_kv_blocks=64), prompts)
+    int8 = teacher_forced_top_tokens(LLM(str(folder), dtype="float32", num_kv_blocks=64, quantization="int8"), prompts)
     assert len(int8) == len(fp32) == sum(len(p) - 1 for p in prompts)
     agreement = sum(a == b for a, b in zip(int8, fp32)) / len(fp32)
     print(f"{family}: int8 agreement {agreement:.3f}")
@@ -101,7 +92,7 @@ def test_int4_greedy_agreement_with_its_dequantized_fp32_twin(family: str, tmp_p
     prompts = random_prompts(16, 10, 40, seed=1)
     int4 = int4_e2e.int4_llm(folder)
     twin = int4_e2e.dequantized_twin(folder, int4)
-    got, want = int4_e2e.top_tokens(int4, prompts), int4_e2e.top_tokens(twin, prompts)
+    got, want = teacher_forced_top_tokens(int4, prompts), teacher_forced_top_tokens(twin, prompts)
     assert len(got) == len(want) == sum(len(p) - 1 for p in prompts)
     agreement = sum(a == b for a, b in zip(got, want)) / len(want)
     print(f"{family}: int4 agreement with its twin {agreement:.3f}")
