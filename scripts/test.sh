@@ -18,6 +18,6 @@ echo "== ruff format";     $bin/ruff format --check .
 echo "== clang-format";    $bin/clang-format --dry-run --Werror tokenmill/ops/csrc/*.h tokenmill/ops/csrc/*.cpp
 echo "== import contract"; $bin/lint-imports
 echo "== mypy";            $bin/mypy
-# A failed build is the tests' to report (the kernel tests fail; the engine falls back to PyTorch ops).
+# A failed build is the tests' to report (tests/kernels/test_kernel_builds.py fails; the engine falls back).
 echo "== kernel builds";   wait $native $avx2 || true; cat $logs/*.log
 echo "== tests";           $bin/python -m pytest -q "$@"
