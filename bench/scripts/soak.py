@@ -1,24 +1,27 @@
 """Soak test of `tokenmill serve`: mixed traffic for a long while, one engine kill, and an account of every request.
 
 Usage: .venv/bin/python bench/scripts/soak.py [--duration 1800] [--rate R] [--load 0.8] [--kill-at S|none]
+           [--hang-at S|none]
            [--window 300] [--port 8021] [--output bench/results/soak.json] [--serve-args "--max-num-seqs 16"]
 
-It starts the server on the embedded default model, measures the saturation request rate with
-`tokenmill bench serve --request-rate inf` (unless --rate), then sends Poisson arrivals at --load times that rate:
-~80% normal requests (chat and completions, streamed or not, 64-128 output tokens), ~10% malformed ones that must
-get a 4xx, ~10% streams abandoned after a few chunks. At --kill-at seconds (default: half way) it SIGKILLs the
-engine process and watches /health until it recovers. Every request ends as completed, errored (an error status or
+It starts the server on the embedded default model, measures the saturation request rate with `tokenmill bench serve
+--request-rate inf` (unless --rate), then sends Poisson arrivals at --load times that rate: ~80% normal requests
+(chat and completions, streamed or not, 64-128 output tokens), ~10% malformed ones that must get a 4xx, ~10% streams
+abandoned after a few chunks. At --kill-at seconds (default: half way) it SIGKILLs the engine process and watches
+/health until it recovers; at --hang-at (default: three quarters in) it SIGSTOPs the engine, a hang that the engine
+watchdog (--engine-step-timeout) must end the same way. Every request ends as completed, errored (an error status or
 error frame; a 503 with Retry-After is retried once), rejected_as_expected (a malformed request's 4xx), abandoned,
 unexpected (a malformed request answered other than 4xx or 503) or LOST: a reset without an error, no byte for
---client-timeout seconds, a stream without [DONE] or an error frame, a 200 with a malformed body. Exit 1 on any
-lost or unexpected request. Per --window: outcomes, p50/p99 TTFT and TPOT of the normal streamed requests, server
-and engine RSS. Results go to --output (JSON), the server's log beside it (.serve.log).
+--client-timeout seconds, a stream without [DONE] or an error frame, a 200 with a malformed body. Exit 1 on any lost
+or unexpected request. Per --window: outcomes, p50/p99 TTFT and TPOT of the normal streamed requests, server and
+engine RSS. Results go to --output (JSON), the server's log beside it (.serve.log).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -320,19 +323,20 @@ def next_request(
 
 
 # ---------------------------------------------------------------------- the soak
-async def kill_engine(server: Server, at_s: float, t0: float, info: dict[str, Any]) -> None:
-    """SIGKILL the engine at `at_s`, then watch /health until it has failed and answers 200 again."""
+async def fault(server: Server, at_s: float, t0: float, info: dict[str, Any], sig: signal.Signals) -> None:
+    """Send `sig` to the engine at `at_s` (SIGKILL: a death; SIGSTOP: a hang, which only the engine watchdog
+    ends), then watch /health until it has failed and answers 200 again."""
     await asyncio.sleep(max(0.0, at_s - (time.perf_counter() - t0)))
     pid = server.engine_pid()
     if pid is None:
         info["error"] = "no engine process found"
-        print("kill: no engine process found", flush=True)
+        print(f"{sig.name}: no engine process found", flush=True)
         return
     info.update(pid=pid, cmdline=cmdline(pid), rss_mb=rss_mb(pid), at_s=round(time.perf_counter() - t0, 1))
-    os.kill(pid, signal.SIGKILL)
-    print(f"[{info['at_s']:.0f} s] SIGKILL engine pid {pid}: {info['cmdline']}", flush=True)
+    os.kill(pid, sig)
+    print(f"[{info['at_s']:.0f} s] {sig.name} engine pid {pid}: {info['cmdline']}", flush=True)
     health: Counter[str] = Counter()
-    killed = time.perf_counter()
+    struck = time.perf_counter()
     info["health"], info["recovered_after_s"] = health, None
     async with httpx.AsyncClient(base_url=server.url, timeout=5) as client:
         while True:
@@ -343,14 +347,17 @@ async def kill_engine(server: Server, at_s: float, t0: float, info: dict[str, An
                 health[f"{status} {code or ''}".strip()] += 1
             except (httpx.HTTPError, ValueError) as exc:
                 health[type(exc).__name__] += 1
-            if status == 200 and len(health) > 1:
-                info["recovered_after_s"] = round(time.perf_counter() - killed, 1)
+            if status == 200 and server.engine_pid() not in (None, pid):
+                info["recovered_after_s"] = round(time.perf_counter() - struck, 1)
                 info["new_engine_pid"] = server.engine_pid()
                 print(
                     f"[{time.perf_counter() - t0:.0f} s] healthy again after {info['recovered_after_s']} s, "
                     f"engine pid {info['new_engine_pid']}",
                     flush=True,
                 )
+                if sig == signal.SIGSTOP:
+                    with contextlib.suppress(ProcessLookupError):  # a stopped engine the watchdog left behind
+                        os.kill(pid, signal.SIGKILL)
                 return
             await asyncio.sleep(0.5)
 
@@ -373,13 +380,16 @@ async def soak(args: argparse.Namespace, server: Server, model: str, rate: float
     records: list[Record] = []
     samples: list[dict] = []
     kill: dict[str, Any] = {}
+    hang: dict[str, Any] = {}
     tasks: list[asyncio.Task] = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     t0 = time.perf_counter()
     async with httpx.AsyncClient(base_url=server.url, timeout=args.client_timeout, limits=limits) as client:
         helpers = [asyncio.create_task(watch(server, records, t0, args.window, samples))]
         if args.kill_at >= 0:
-            helpers.append(asyncio.create_task(kill_engine(server, args.kill_at, t0, kill)))
+            helpers.append(asyncio.create_task(fault(server, args.kill_at, t0, kill, signal.SIGKILL)))
+        if args.hang_at >= 0:
+            helpers.append(asyncio.create_task(fault(server, args.hang_at, t0, hang, signal.SIGSTOP)))
         due = 0.0
         while (due := due + rng.expovariate(rate)) < args.duration:
             await asyncio.sleep(max(0.0, due - (time.perf_counter() - t0)))
@@ -389,7 +399,8 @@ async def soak(args: argparse.Namespace, server: Server, model: str, rate: float
         await asyncio.gather(*tasks)
         for helper in helpers:
             helper.cancel()
-    return {"records": records, "rss_samples": samples, "kill": kill, "elapsed_s": time.perf_counter() - t0}
+    elapsed = time.perf_counter() - t0
+    return {"records": records, "rss_samples": samples, "kill": kill, "hang": hang, "elapsed_s": elapsed}
 
 
 # ---------------------------------------------------------------------- the account
@@ -461,7 +472,7 @@ def report(args: argparse.Namespace, run: dict[str, Any], extra: dict[str, Any])
         "outcomes_by_kind": {k: {o: c[o] for o in OUTCOMES} for k, c in by_kind.items()},
         "retried": sum(r.retried for r in records),
         "success": totals["lost"] == 0 and totals["unexpected"] == 0,
-        "kill": {k: dict(v) if isinstance(v, Counter) else v for k, v in run["kill"].items()},
+        **{f: {k: dict(v) if isinstance(v, Counter) else v for k, v in run[f].items()} for f in ("kill", "hang")},
         "windows": windows(records, run["rss_samples"], args.window, args.duration),
         "rss_samples": run["rss_samples"],
         "lost_examples": [asdict(r) for r in records if r.outcome == "lost"][:50],
@@ -491,8 +502,9 @@ def summarize(result: dict[str, Any]) -> None:
         f"{start['engine']} -> {end['engine']}; engine restarts (metrics) {result['engine_restarts']}; "
         f"retried {result['retried']}"
     )
-    if result["kill"]:
-        print(f"kill: {json.dumps(result['kill'])}")
+    for name in ("kill", "hang"):
+        if result[name]:
+            print(f"{name}: {json.dumps(result[name])}")
     verdict = "PASS" if result["success"] else "FAIL"
     print(f"{verdict}: lost {result['outcomes']['lost']}, unexpected {result['outcomes']['unexpected']}")
 
@@ -507,6 +519,12 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="seconds in to SIGKILL the engine (default duration/2; negative or 'none': never)",
     )
+    p.add_argument(
+        "--hang-at",
+        default=None,
+        help="seconds in to SIGSTOP the engine, a hang the engine watchdog must end (default 3/4 of the duration; "
+        "negative or 'none': never); give the server a short --engine-step-timeout in --serve-args",
+    )
     p.add_argument("--window", type=float, default=300.0, help="seconds per reported window (default 300)")
     p.add_argument(
         "--client-timeout", type=float, default=120.0, help="seconds without a byte that make a request lost"
@@ -516,8 +534,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output", type=Path, default=ROOT / "bench/results/soak.json")
     p.add_argument("--serve-args", default="", help='extra `tokenmill serve` flags, one string: "--max-num-seqs 8"')
     args = p.parse_args()
-    kill = args.kill_at
-    args.kill_at = args.duration / 2 if kill is None else -1.0 if kill.lower() == "none" else float(kill)
+    for name, share in (("kill_at", 0.5), ("hang_at", 0.75)):
+        given = getattr(args, name)
+        at = args.duration * share if given is None else -1.0 if given.lower() == "none" else float(given)
+        setattr(args, name, at)
     if args.duration <= 0 or args.window <= 0 or args.load <= 0 or (args.rate is not None and args.rate <= 0):
         p.error("--duration, --window, --load and --rate must be > 0")
     return args
