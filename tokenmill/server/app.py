@@ -45,7 +45,7 @@ from tokenmill.server.protocol import (
     ModelList,
 )
 from tokenmill.server.read_deadline import ReadDeadlineMiddleware
-from tokenmill.server.security import request_key
+from tokenmill.server.security import authenticate, authorization, client_address, request_key
 
 logger = logging.getLogger(__name__)
 
@@ -207,20 +207,11 @@ class AuthMiddleware:
         # The admin routes check the admin key themselves.
         if scope["type"] != "http" or scope["path"] in self.public or scope["path"].startswith(ADMIN_PREFIX):
             return await self.app(scope, receive, send)
-        # Anthropic's clients send `x-api-key: KEY`, OpenAI's `Authorization: Bearer KEY`: the same keys.
-        headers = {k: v.decode("latin-1") for k, v in scope["headers"] if k in (b"authorization", b"x-api-key")}
-        auth = headers.get(b"authorization")
-        if auth is None and b"x-api-key" in headers:
-            auth = f"Bearer {headers[b'x-api-key']}"
-        address = scope["client"][0] if scope.get("client") else ""
         try:
-            if self.state.keys.enabled:
-                self.state.throttle.check(address)  # before the key, so a throttled address learns nothing
-            try:
-                scope["tokenmill_key"] = self.state.keys.identify(auth)
-            except APIError:
-                self.state.throttle.failed(address)
-                raise
+            address = client_address(scope)
+            scope["tokenmill_key"] = authenticate(
+                self.state.keys, self.state.throttle, address, authorization(scope["headers"])
+            )
         except APIError as exc:
             return await _send_error(scope, send, exc.status, exc.message, exc.code or "", exc.headers)
         await self.app(scope, receive, send)

@@ -9,11 +9,13 @@ its prompt) costs work too. Responses carry OpenAI's `x-ratelimit-*` headers."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import math
+import secrets
 import time
-from collections import deque
-from collections.abc import Iterator, Mapping
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,18 +186,24 @@ class RateLimiter:
 
 class LoginThrottle:
     """After `max_failures` failed logins (401s) from one client address within `window_s`, that
-    address is answered 429 with Retry-After until the oldest of them leaves the window. It refuses
-    every request from a throttled address, a correct key included: one that let correct keys through
-    would still tell a guesser which key is right, and so would slow no one down. The price is that
-    clients sharing an address (NAT, a reverse proxy) share its throttle."""
+    address is locked: answered 429 with Retry-After until the oldest of them leaves the window.
+    Failures count per address, so a guesser cannot spread guesses over keys; but a key that already
+    logged in from that address keeps working while it is locked, so that behind a shared address
+    (NAT, a reverse proxy) one client's bad keys do not lock out the others. A new key, right or
+    wrong, is refused unread while the address is locked: a guess cannot tell a right key."""
 
-    MAX_TRACKED = 10_000  # addresses; beyond this, addresses with no recent failure are forgotten
+    MAX_TRACKED = 10_000  # addresses with failures, and (address, key) pairs that logged in
 
     def __init__(self, max_failures: int = 10, window_s: float = 60.0) -> None:
         if max_failures < 1:
             raise ValueError(f"max_failures must be >= 1, got {max_failures}.")
         self.max_failures, self.window_s = max_failures, window_s
         self._failures: dict[str, deque[float]] = {}
+        self._known: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # least recently used first
+        self._salt = secrets.token_bytes(16)  # the remembered keys' hashes mean nothing outside this process
+
+    def key_hash(self, authorization: str | None) -> bytes:
+        return hashlib.blake2b((authorization or "").encode(), key=self._salt, digest_size=16).digest()
 
     def _recent(self, address: str, now: float) -> deque[float] | None:
         times = self._failures.get(address)
@@ -208,18 +216,23 @@ class LoginThrottle:
             return None
         return times
 
-    def check(self, address: str) -> None:
-        """Raise a 429 APIError with Retry-After if `address` has failed too often lately."""
+    def check(self, address: str, key_hash: bytes | None = None) -> None:
+        """Raise a 429 APIError with Retry-After if `address` has failed too often lately, unless
+        `key_hash` (from `key_hash`) has logged in from there before."""
         now = time.monotonic()
         times = self._recent(address, now)
-        if times is not None and len(times) >= self.max_failures:
-            wait = times[0] + self.window_s - now
-            raise APIError(
-                429,
-                f"too many failed logins from this address; retry in {wait:.0f} s.",
-                "too_many_failed_logins",
-                headers={"Retry-After": str(max(1, math.ceil(wait)))},
-            )
+        if times is None or len(times) < self.max_failures:
+            return
+        if key_hash is not None and (address, key_hash) in self._known:
+            self._known.move_to_end((address, key_hash))
+            return
+        wait = times[0] + self.window_s - now
+        raise APIError(
+            429,
+            f"too many failed logins from this address; retry in {wait:.0f} s.",
+            "too_many_failed_logins",
+            headers={"Retry-After": str(max(1, math.ceil(wait)))},
+        )
 
     def failed(self, address: str) -> None:
         now = time.monotonic()
@@ -230,3 +243,43 @@ class LoginThrottle:
         if times is None:
             times = self._failures[address] = deque(maxlen=self.max_failures)
         times.append(now)
+
+    def succeeded(self, address: str, key_hash: bytes) -> None:
+        self._known[(address, key_hash)] = None
+        self._known.move_to_end((address, key_hash))
+        if len(self._known) > self.MAX_TRACKED:
+            self._known.popitem(last=False)
+
+
+def authenticate(keys: ApiKeys, throttle: LoginThrottle, address: str, authorization: str | None) -> str:
+    """The caller's key name (see `ApiKeys.identify`), through the failed-login throttle: a 429
+    APIError while `address` is locked (unless this key logged in from there before), a 401 for a
+    missing or wrong key (counted against `address`). Without keys, every caller is ANONYMOUS.
+    The one key check of the server's routes, its admin API and the fleet's ingress."""
+    if not keys.enabled:
+        return ANONYMOUS
+    key_hash = throttle.key_hash(authorization)
+    throttle.check(address, key_hash)  # before the key is read, so a locked address learns nothing
+    try:
+        name = keys.identify(authorization)
+    except APIError:
+        throttle.failed(address)
+        raise
+    throttle.succeeded(address, key_hash)
+    return name
+
+
+def authorization(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """The Authorization header of raw ASGI headers. Anthropic's clients send `x-api-key: KEY`,
+    OpenAI's `Authorization: Bearer KEY`: the same keys, so the first counts as the second."""
+    found = {k.lower(): v.decode("latin-1") for k, v in headers if k.lower() in (b"authorization", b"x-api-key")}
+    if b"authorization" in found:
+        return found[b"authorization"]
+    return f"Bearer {found[b'x-api-key']}" if b"x-api-key" in found else None
+
+
+def client_address(scope: Mapping[str, Any]) -> str:
+    """The client's address: the peer, or what X-Forwarded-For says when the peer is one of
+    --forwarded-allow-ips (uvicorn resolves that before the app sees the scope)."""
+    client = scope.get("client")
+    return str(client[0]) if client else ""
