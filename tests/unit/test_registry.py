@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from contextlib import AbstractContextManager
 from datetime import datetime
 from pathlib import Path
@@ -21,7 +22,7 @@ import pytest
 
 from tests.tiny_models import hf_model, make_tiny_model
 from tokenmill.cli import main
-from tokenmill.registry import Registry, RegistryCorruptError, RegistryError, UnknownModelError
+from tokenmill.registry import Registry, RegistryBusyError, RegistryCorruptError, RegistryError, UnknownModelError
 from tokenmill.registry import files as registry_files
 from tokenmill.registry.store import default_registry_dir
 
@@ -271,6 +272,37 @@ def test_verify_names_a_file_with_a_flipped_byte(registry: Registry, llama_folde
         registry.verify("m@1")
 
 
+def test_verify_fails_on_a_weight_file_the_manifest_does_not_list(registry: Registry, llama_folder: Path) -> None:
+    version = registry.add("m", llama_folder)
+    (version.files_dir / "extra.safetensors").write_bytes(b"weights the loader would read too")
+    with pytest.raises(RegistryCorruptError, match="m@1 is corrupt: extra.safetensors is in its files but not"):
+        registry.verify(version)
+
+
+def test_verify_rehashes_only_files_whose_inode_mtime_or_size_changed(
+    registry: Registry, llama_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    version = registry.add("m", llama_folder, copy=True)
+    hashed: list[str] = []
+    real_sha256 = registry_files.sha256_of
+
+    def counting_sha256(path: Path) -> str:
+        hashed.append(path.name)
+        return real_sha256(path)
+
+    monkeypatch.setattr(registry_files, "sha256_of", counting_sha256)
+    registry.verify(version)
+    first = sorted(hashed)
+    hashed.clear()
+    registry.verify(version)
+    assert first == sorted(f.path for f in version.manifest.files) and hashed == []
+    weights = version.files_dir / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # touched: read it again
+    registry.verify(version)
+    assert hashed == ["model.safetensors"]
+
+
 # --- atomic and concurrent writes ---
 
 
@@ -319,15 +351,49 @@ def test_writes_hold_an_exclusive_lock(registry: Registry, llama_folder: Path, m
     held = []
     real_lock = registry_files.exclusive_lock
 
-    def recording_lock(path: Path) -> AbstractContextManager[None]:
+    def recording_lock(path: Path, timeout_s: float | None = None) -> AbstractContextManager[None]:
         held.append(path)
-        return real_lock(path)
+        return real_lock(path, timeout_s)
 
     monkeypatch.setattr("tokenmill.registry.store.exclusive_lock", recording_lock)
-    registry.add("m", llama_folder, alias="a")
+    registry.add("m", llama_folder, alias="a")  # twice: to open its staging folder, then to rename it in
     registry.set_alias("b", "m@1")
     registry.remove("m", force=True)
-    assert held == [registry.root / ".lock"] * 3
+    assert held == [registry.root / ".lock"] * 4
+
+
+def test_add_hashes_outside_the_lock_and_other_writes_go_on_meanwhile(
+    tmp_path: Path, llama_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry = Registry(tmp_path / "registry", lock_timeout_s=5.0)
+    registry.add("m", llama_folder)
+    hashing, release = threading.Event(), threading.Event()
+    real_sha256 = registry_files.sha256_of
+
+    def slow_sha256(path: Path) -> str:  # a file of many GB
+        hashing.set()
+        release.wait(10)
+        return real_sha256(path)
+
+    monkeypatch.setattr("tokenmill.registry.store.sha256_of", slow_sha256)
+    adding = threading.Thread(target=registry.add, args=("m", llama_folder))
+    adding.start()
+    assert hashing.wait(10)
+    registry.set_alias("stable", "m@1")  # neither waits for the hashing nor clears its staging folder
+    release.set()
+    adding.join(30)
+    assert [v.id for v in registry.list()] == ["m@1", "m@2"] and registry.aliases() == {"stable": "m@1"}
+    registry.verify("m@2")
+    assert _leftovers(registry) == []
+
+
+def test_a_write_waiting_past_the_lock_timeout_is_a_clear_error(tmp_path: Path, llama_folder: Path) -> None:
+    registry = Registry(tmp_path / "registry", lock_timeout_s=0.2)
+    registry.add("m", llama_folder)
+    with registry_files.exclusive_lock(registry.root / ".lock"):  # another writer, holding on
+        with pytest.raises(RegistryBusyError, match="another writer has held the registry lock .* retry"):
+            registry.set_alias("stable", "m@1")
+    assert registry.aliases() == {}
 
 
 def test_two_processes_adding_at_once_get_distinct_whole_versions(registry: Registry, llama_folder: Path) -> None:

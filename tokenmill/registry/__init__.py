@@ -14,7 +14,7 @@ From the command line: `tokenmill models add | list | show | rm | alias | verify
 Needs neither the server nor Ray.
 """
 
-from tokenmill.registry.errors import RegistryCorruptError, RegistryError, UnknownModelError
+from tokenmill.registry.errors import RegistryBusyError, RegistryCorruptError, RegistryError, UnknownModelError
 from tokenmill.registry.manifest import FileEntry, Manifest
 from tokenmill.registry.store import Registry, Version, default_registry_dir
 
@@ -22,6 +22,7 @@ __all__ = [
     "FileEntry",
     "Manifest",
     "Registry",
+    "RegistryBusyError",
     "RegistryCorruptError",
     "RegistryError",
     "UnknownModelError",

@@ -20,3 +20,7 @@ class UnknownModelError(RegistryError, KeyError):
 
 class RegistryCorruptError(RegistryError):
     """A stored version's files no longer match its manifest (a file missing, resized or rewritten)."""
+
+
+class RegistryBusyError(RegistryError):
+    """Another writer held the registry's lock longer than this writer would wait."""

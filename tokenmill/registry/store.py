@@ -6,7 +6,7 @@ Layout of the registry folder::
     models/<name>/<version>/files/          the HF folder's files, or the single .gguf
     aliases.json                            {"smol-stable": "smol@2"}
     .lock                                   flock'ed by every write: one writer at a time
-    .tmp/                                   versions being built or deleted; renamed in or out whole
+    .tmp/                                   versions being built (each flock'ed by its builder) or deleted
 
 Reads take no lock: a version appears and disappears by one rename, aliases.json by one os.replace.
 """
@@ -27,7 +27,14 @@ from pathlib import Path
 
 from tokenmill.registry.describe import describe
 from tokenmill.registry.errors import RegistryCorruptError, RegistryError, UnknownModelError
-from tokenmill.registry.files import exclusive_lock, link_or_copy, sha256_of, write_json_atomic
+from tokenmill.registry.files import (
+    HashCache,
+    exclusive_lock,
+    link_or_copy,
+    sha256_of,
+    try_flock,
+    write_json_atomic,
+)
 from tokenmill.registry.manifest import MANIFEST_FILE, FileEntry, Manifest
 
 # Names, versions and aliases: a path component that cannot be "..", hidden, or hold the "@" of an id.
@@ -106,8 +113,12 @@ class Registry:
         registry.resolve("smol").model_path  # the highest version's folder (or .gguf), ready to load
     """
 
-    def __init__(self, root: str | Path | None = None) -> None:
+    def __init__(self, root: str | Path | None = None, lock_timeout_s: float | None = None) -> None:
+        """`lock_timeout_s`: how long a write waits for another writer (RegistryBusyError past it; None:
+        as long as it takes)."""
         self.root = Path(root).expanduser() if root is not None else default_registry_dir()
+        self.lock_timeout_s = lock_timeout_s
+        self._hashes = HashCache()
 
     # --- reading ---
 
@@ -153,10 +164,20 @@ class Registry:
         return self.resolve(model_id).manifest
 
     def verify(self, version: Version | str) -> Version:
-        """Re-hash the version's files against its manifest; RegistryCorruptError names the first bad file."""
+        """Check the version's files against its manifest: each listed file present, of its size and sha256,
+        and no other file in its folder (the loader reads every *.safetensors there, listed or not).
+        RegistryCorruptError names the first bad file. A file whose inode, mtime and size are unchanged since
+        this Registry last hashed it is not read again."""
         if isinstance(version, str):
             version = self.resolve(version)
         fix = f"remove it (tokenmill models rm {version.id} --force) and add it again"
+        listed = {entry.path for entry in version.manifest.files}
+        found = sorted(p.relative_to(version.files_dir).as_posix() for p in version.files_dir.rglob("*"))
+        unlisted = [path for path in found if path not in listed and not (version.files_dir / path).is_dir()]
+        if unlisted:
+            raise RegistryCorruptError(
+                f"{version.id} is corrupt: {unlisted[0]} is in its files but not in its manifest; {fix}"
+            )
         for entry in version.manifest.files:
             path = version.files_dir / entry.path
             if not path.is_file():
@@ -168,7 +189,7 @@ class Registry:
                 raise RegistryCorruptError(
                     f"{version.id} is corrupt: {entry.path} has {size} bytes, its manifest says {entry.size}; {fix}"
                 )
-            if sha256_of(path) != entry.sha256:
+            if self._hashes.sha256(path) != entry.sha256:
                 raise RegistryCorruptError(
                     f"{version.id} is corrupt: {entry.path}'s sha256 differs from its manifest's; {fix}"
                 )
@@ -183,7 +204,8 @@ class Registry:
 
         Files are hard-linked when the registry is on the same filesystem, else copied (`copy=True`: always
         copied). The version is built in a temporary folder and renamed into place, so it appears whole or
-        not at all. An existing version is never replaced: adding it again is a RegistryError.
+        not at all. An existing version is never replaced: adding it again is a RegistryError. The files are
+        linked (or copied) and hashed before the write lock is taken: other writers wait only for the rename.
         """
         _check_name(name, "model name")
         if version is not None:
@@ -193,26 +215,14 @@ class Registry:
         source = Path(path).expanduser()
         if not source.exists():
             raise RegistryError(f"{source} does not exist: give a Hugging Face model folder or a .gguf file")
-        info = describe(source)  # before taking the lock: a bad path fails fast
-        with self._writing():
-            aliases = self.aliases()
-            if name in aliases and aliases[name].partition("@")[0] != name:
-                raise RegistryError(
-                    f"{name!r} is an alias of {aliases[name]}: pick another model name or remove the alias first"
-                )
-            existing = self._versions(name)
-            version = version or _next_integer(existing)
-            if any(v.version == version for v in existing):
-                raise RegistryError(
-                    f"{name}@{version} already exists and versions are immutable: give another --version, or "
-                    f"leave it out for the next one ({name}@{_next_integer(existing)})"
-                )
-            if alias is not None:
-                self._check_alias_target(alias, name)
-            target = self.root / "models" / name / version
-            tmp = Path(tempfile.mkdtemp(dir=self._tmp_dir(), prefix=f"add-{name}-"))
-            try:
-                files = _store_files(source, tmp / "files", info.format == "gguf", copy)
+        info = describe(source)  # before any work: a bad path fails fast
+        self._check_new(name, version, alias, self.aliases())
+        with self._staging(name) as tmp:
+            files = _store_files(source, tmp / "files", info.format == "gguf", copy)
+            with self._writing():
+                aliases = self.aliases()
+                existing = self._check_new(name, version, alias, aliases)
+                version = version or _next_integer(existing)
                 created = datetime.now(timezone.utc).isoformat()  # microseconds: orders versions added in one second
                 manifest = Manifest(
                     name=name,
@@ -228,14 +238,30 @@ class Registry:
                     source=str(source.resolve()),
                 )
                 manifest.write(tmp)
+                target = self.root / "models" / name / version
                 target.parent.mkdir(parents=True, exist_ok=True)
                 os.rename(tmp, target)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed
-                _rmdir_if_empty(target.parent)
-            if alias is not None:
-                write_json_atomic(self.root / _ALIASES_FILE, aliases | {alias: manifest.id})
+                if alias is not None:
+                    write_json_atomic(self.root / _ALIASES_FILE, aliases | {alias: manifest.id})
         return Version(manifest, target)
+
+    def _check_new(
+        self, name: str, version: str | None, alias: str | None, aliases: dict[str, str]
+    ) -> builtins.list[Version]:
+        """RegistryError unless `name@version` may be added (with `alias`); returns the name's versions."""
+        if name in aliases and aliases[name].partition("@")[0] != name:
+            raise RegistryError(
+                f"{name!r} is an alias of {aliases[name]}: pick another model name or remove the alias first"
+            )
+        existing = self._versions(name)
+        if version is not None and any(v.version == version for v in existing):
+            raise RegistryError(
+                f"{name}@{version} already exists and versions are immutable: give another --version, or "
+                f"leave it out for the next one ({name}@{_next_integer(existing)})"
+            )
+        if alias is not None:
+            self._check_alias_target(alias, name)
+        return existing
 
     def set_alias(self, alias: str, model_id: str) -> Version:
         """Point `alias` at the version `model_id` resolves to (pinned: a later version does not move it).
@@ -323,14 +349,41 @@ class Registry:
         return tmp
 
     @contextmanager
+    def _staging(self, name: str) -> Iterator[Path]:
+        """A folder in .tmp/ to build a version in, flock'ed while this writer lives: another writer's clean-up
+        leaves it alone, and removes it once its builder has died. Gone afterwards (renamed, or deleted)."""
+        with self._writing():  # created under the write lock: no clean-up can take it before it is flock'ed
+            tmp = Path(tempfile.mkdtemp(dir=self._tmp_dir(), prefix=f"add-{name}-"))
+            fd = os.open(tmp, os.O_RDONLY)
+            try_flock(fd)
+        try:
+            yield tmp
+        finally:
+            os.close(fd)  # drops the flock
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed
+
+    @contextmanager
     def _writing(self) -> Iterator[None]:
-        """The write lock. Writers build and delete only inside it, so whatever is in .tmp/ when the lock is
-        taken was left by a writer that crashed: clear it."""
+        """The write lock (RegistryBusyError past the lock timeout). Writers delete and rename only inside it,
+        and a staging folder is flock'ed by its live builder, so whatever in .tmp/ no one holds when the lock
+        is taken was left by a writer that crashed: clear it."""
         self.root.mkdir(parents=True, exist_ok=True)
-        with exclusive_lock(self.root / ".lock"):
+        with exclusive_lock(self.root / ".lock", self.lock_timeout_s):
             for leftover in self._tmp_dir().iterdir():
-                shutil.rmtree(leftover, ignore_errors=True)
+                _remove_if_abandoned(leftover)
             yield
+
+
+def _remove_if_abandoned(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # gone meanwhile
+    try:
+        if try_flock(fd):  # no live writer holds it
+            shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        os.close(fd)
 
 
 def _next_integer(existing: builtins.list[Version]) -> str:
