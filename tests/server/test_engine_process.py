@@ -109,3 +109,23 @@ def test_an_engine_that_keeps_dying_ends_dead(chat_model: Path) -> None:
             assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
             late = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
             assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
+
+
+def test_a_stopped_engine_process_is_hung_and_replaced_and_its_queued_request_completes(
+    server: RunningServer,
+) -> None:
+    client_side = server.engine.client
+    assert isinstance(client_side, ProcessCoreClient)
+    restarts = server.engine.num_restarts
+    server.engine.watchdog.timeout_s = 2.0
+    try:
+        os.kill(client_side.process.pid, signal.SIGSTOP)  # alive but never steps again: hung, not dead
+        started = time.monotonic()
+        with server.client() as client:  # 30 s: the step timeout, then a new engine
+            r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+        assert time.monotonic() - started >= 2.0  # it waited for the step timeout, then ran on a new engine
+    finally:
+        server.engine.watchdog.timeout_s = None
+    assert server.engine.num_restarts == restarts + 1 and server.engine.client is not client_side
+    assert not client_side.process.is_alive()  # killed, not left stopped

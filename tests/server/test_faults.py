@@ -1,10 +1,12 @@
 """Fault injection: a model step that raises ends only the requests in that step (the rest, and
-later requests, complete); model steps failing in a row end the engine, and a new one takes over."""
+later requests, complete); model steps failing in a row end the engine, and a new one takes over;
+so does a step that hangs past the step timeout."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -102,3 +104,42 @@ def test_steps_failing_in_a_row_restart_the_engine(chat_model: Path) -> None:
             metrics = client.get("/metrics").text
         assert server.engine.num_restarts == 1 and server.core is not old_core
         assert f'tokenmill:engine_restarts_total{{model_name="{MODEL_NAME}"}} 1.0' in metrics
+
+
+def test_a_hung_step_restarts_the_engine_as_a_death_does(chat_model: Path) -> None:
+    # One runs at a time: when a step hangs, one stream is under way, the other still queued.
+    with run_server(chat_model, max_num_seqs=1) as server:
+        server.engine.watchdog.timeout_s = 2.0
+        old_core = server.core
+        real_forward = old_core.runner._forward
+        release = threading.Event()
+        calls = {"n": 0}
+
+        def hanging_forward(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 4:  # a few tokens into the first stream: this step never returns by itself
+                release.wait(30)
+            return real_forward(*args, **kwargs)
+
+        old_core.runner._forward = hanging_forward  # type: ignore[method-assign]
+        started = time.monotonic()
+        try:
+            results = _run_all_streamed(server, 2)
+        finally:
+            release.set()  # let the abandoned engine thread end
+        assert time.monotonic() - started < 25  # not the 30 s the step hung for
+        failed = [_failed(*r) for r in results]
+        assert sorted(failed) == [False, True], results  # the stream under way ends with an error event
+        done = results[failed.index(False)][1]  # the queued one ran again on the new engine, to the end
+        assert json.loads(done[-2])["choices"][0]["finish_reason"] == "length"
+        assert server.engine.num_restarts == 1 and server.core is not old_core
+        with server.client() as client:
+            assert client.get("/health").json() == {"status": "ok"}
+
+
+def _run_all_streamed(server: RunningServer, count: int) -> list[tuple[int, Any]]:
+    async def main() -> list[tuple[int, Any]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            return await asyncio.wait_for(asyncio.gather(*(_one(client, True) for _ in range(count))), 90)
+
+    return asyncio.run(main())

@@ -19,7 +19,9 @@ step only (core_loop.py). An engine that dies (its process killed, its loop fail
 a new one (restart_policy.py bounds how often): requests that had produced no output yet are queued
 again on it and complete; those under way end with `EngineDeadError`, as does a request that was
 already requeued once (it may be what kills the engine). Requests that arrive meanwhile wait for
-the new engine. Past the policy's bounds the engine stays dead and nothing new is accepted.
+the new engine. Past the policy's bounds the engine stays dead and nothing new is accepted. An
+engine that is hung rather than dead (no step finished within the step timeout while requests are
+in flight, step_watchdog.py) is killed and replaced the same way.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from tokenmill.engine.pooling_config import ModelPooling
 from tokenmill.engine.request_limits import NO_CAPS, RequestCaps
 from tokenmill.engine.request_metrics import merge_request_metrics
 from tokenmill.engine.restart_policy import RestartPolicy
+from tokenmill.engine.step_watchdog import StepWatchdog
 from tokenmill.loader.hf import load_tokenizer
 from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.pooling_params import PoolingTask
@@ -102,6 +105,7 @@ class AsyncEngine:
         stall_timeout_s: float = 300.0,
         engine_process: bool = True,
         restart_policy: RestartPolicy | None = None,
+        step_timeout_s: float | None = None,
     ) -> None:
         self.config, source = create_engine_config(args)
         self.tokenizer: PreTrainedTokenizerBase | None = load_tokenizer(source.tokenizer) if source.tokenizer else None
@@ -119,6 +123,7 @@ class AsyncEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.pooling = ModelPooling.of(source.folder, self.config.model.hf_config)
         self.stall_timeout_s = stall_timeout_s
+        self.watchdog = StepWatchdog(step_timeout_s)
         self.stats: StatsListener | None = None
         self.streams: dict[str, RequestStream] = {}
         self._stream_of_child: dict[str, RequestStream] = {}  # child req_id -> its stream, while in flight
@@ -135,10 +140,11 @@ class AsyncEngine:
     def start(self) -> None:
         """Start the engine loop; call from inside the event loop that will consume outputs."""
         self.client.start(self._on_step, self._on_dead)
+        self._watch_later()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine loop after its current step; in-flight requests end as dead."""
-        self._closing = True  # a restart under way gives up (and stops what it started)
+        self._closing = True  # a restart under way gives up (and stops what it started); the watchdog stops
         self.client.shutdown(timeout)
 
     @property
@@ -147,9 +153,13 @@ class AsyncEngine:
 
     def is_stalled(self) -> bool:
         """Requests are in flight but the engine has not reported for stall_timeout_s."""
-        if self.restarting is not None:
-            return False
-        return bool(self.streams) and time.monotonic() - self._last_event > self.stall_timeout_s
+        return self._silent_s() > self.stall_timeout_s
+
+    def _silent_s(self) -> float:
+        """How long the engine has not reported while requests were in flight on it (0 if none are)."""
+        if self.restarting is not None or self.dead_reason is not None or not self.streams:
+            return 0.0
+        return time.monotonic() - self._last_event
 
     @property
     def num_in_flight(self) -> int:
@@ -285,6 +295,7 @@ class AsyncEngine:
     def _on_step(self, step: EngineStep) -> None:
         snapshot = step.snapshot
         self.snapshot, self._last_event = snapshot, time.monotonic()
+        self.watchdog.record(snapshot.step_seconds)
         while self._unacked and self._unacked[0][0] <= snapshot.last_add_seq:
             self._unacked.popleft()
         if self.stats is not None:
@@ -336,6 +347,27 @@ class AsyncEngine:
         self._end(stream)
         self.outputs.abort(request_id)
         stream.queue.put_nowait(EngineDeadError(reason))
+
+    # ------------------------------------------------------------------ watchdog (event loop side)
+    def _watch_later(self) -> None:
+        if self.watchdog.enabled:
+            asyncio.get_running_loop().call_later(self.watchdog.check_interval(), self._watch)
+
+    def _watch(self) -> None:
+        """A hung engine is killed and replaced as a dead one is. Events the engine sent before it went
+        quiet are handled first: the loop runs ready I/O callbacks before this timer's."""
+        if self._closing or self.dead_reason is not None:  # stopped for good
+            return
+        silent_s = self._silent_s()
+        if self.watchdog.is_hung(silent_s):
+            reason = (
+                f"no engine step finished for {silent_s:.0f} s (the step timeout is {self.watchdog.limit():.0f} s, "
+                "--engine-step-timeout): the engine is hung."
+            )
+            logger.error("%s Killing it.", reason)
+            self.client.kill()
+            self._on_dead(reason, True)
+        self._watch_later()
 
     # ------------------------------------------------------------------ restart (event loop side)
     def _begin_restart(self, reason: str) -> None:

@@ -68,6 +68,10 @@ class CoreClient(Protocol):
 
     def shutdown(self, timeout: float) -> None: ...
 
+    def kill(self) -> None:
+        """Stop a hung engine without waiting for its step: no callback comes after this."""
+        ...
+
 
 # ---------------------------------------------------------------------- thread
 class ThreadCoreClient:
@@ -76,11 +80,14 @@ class ThreadCoreClient:
         self.limits = self.core.scheduler.limits
         self._commands: queue.Queue[Command] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._sink: _LoopSink | None = None
 
     def start(self, on_step: OnStep, on_dead: OnDead) -> None:
-        sink = _LoopSink(asyncio.get_running_loop(), on_step, on_dead)
+        self._sink = _LoopSink(asyncio.get_running_loop(), on_step, on_dead)
         self._thread = threading.Thread(
-            target=CoreLoop(self.core, _QueueCommands(self._commands), sink).run, name="tokenmill-engine", daemon=True
+            target=CoreLoop(self.core, _QueueCommands(self._commands), self._sink).run,
+            name="tokenmill-engine",
+            daemon=True,
         )
         self._thread.start()
 
@@ -95,6 +102,12 @@ class ThreadCoreClient:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def kill(self) -> None:
+        # A thread cannot be killed: it is left to stop by itself if its step ever returns, unheard.
+        if self._sink is not None:
+            self._sink.closed = True
+        self._commands.put(Stop())
+
 
 class _QueueCommands:
     def __init__(self, commands: queue.Queue[Command]) -> None:
@@ -108,19 +121,25 @@ class _QueueCommands:
 
 
 class _LoopSink:
-    """Hands events to the event loop's thread."""
+    """Hands events to the event loop's thread, until closed (the engine was killed)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, on_step: OnStep, on_dead: OnDead) -> None:
         self.loop, self.on_step, self.on_dead = loop, on_step, on_dead
+        self.closed = False
 
     def publish(self, event: EngineStep | EngineDead) -> None:
         try:
-            if isinstance(event, EngineStep):
-                self.loop.call_soon_threadsafe(self.on_step, event)
-            else:
-                self.loop.call_soon_threadsafe(self.on_dead, event.reason, event.failed)
+            self.loop.call_soon_threadsafe(self._deliver, event)
         except RuntimeError:  # the event loop has closed: nobody is left to tell
             pass
+
+    def _deliver(self, event: EngineStep | EngineDead) -> None:
+        if self.closed:  # checked on the event loop: nothing published before the kill arrives after it
+            return
+        if isinstance(event, EngineStep):
+            self.on_step(event)
+        else:
+            self.on_dead(event.reason, event.failed)
 
 
 # ---------------------------------------------------------------------- process
@@ -192,6 +211,10 @@ class ProcessCoreClient:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
+
+    def kill(self) -> None:
+        self._stop_reading()
+        self.process.kill()  # its tensor-parallel followers exit when its pipes close
 
     def _write(self) -> None:
         while (data := self._outbox.get()) is not None:

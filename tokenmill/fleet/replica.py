@@ -45,6 +45,7 @@ class ReplicaServer:
             config.engine_stall_timeout_s,
             engine_process=not config.engine_in_thread,
             restart_policy=RestartPolicy(max_restarts=config.max_engine_restarts),
+            step_timeout_s=config.engine_step_timeout_s,
         )
         self.state = create_state(config, engine, engine_args)  # with --registry: every replica's own pool
         self.app = build_app(self.state)

@@ -398,6 +398,25 @@ class ServerConfig:
         help="extra variables for the chat template, e.g. '{\"enable_thinking\": false}'; a request's own "
         "chat_template_kwargs take precedence",
     )
+    # The engine watchdog (engine/step_watchdog.py)
+    engine_step_timeout_s: float | None = setting(
+        None,
+        group="timeouts",
+        aliases=("--engine-step-timeout",),
+        metavar="SECONDS",
+        help="requests in flight and no engine step finished for this long: the engine is hung, and it is "
+        "killed and restarted as after a death (requests with no output yet run again, the others get an "
+        "error). Default: max(60, 20 x the 99th percentile of recent step times); 0: never",
+    )
+    # Behind a reverse proxy (security.py: the failed-login throttle and the audit log see the client)
+    forwarded_allow_ips: tuple[str, ...] = setting(
+        (),
+        group="network",
+        metavar="IPS",
+        help="proxies (addresses or networks, comma-separated; '*' for any) whose X-Forwarded-For names the "
+        "client; from any other peer the header is ignored (default: none, the peer is the client)",
+    )
+
 
     def __post_init__(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):

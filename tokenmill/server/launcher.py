@@ -139,6 +139,7 @@ def serve(engine_args: EngineArgs, config: ServerConfig, log_level: str = "info"
         config.engine_stall_timeout_s,
         engine_process=not config.engine_in_thread,
         restart_policy=RestartPolicy(max_restarts=config.max_engine_restarts),
+        step_timeout_s=config.engine_step_timeout_s,
     )
     state = create_state(config, engine, engine_args)
     if config.host not in ("127.0.0.1", "localhost", "::1") and not state.keys.enabled:

@@ -25,6 +25,7 @@ def engine_factory(config: ServerConfig) -> NewEngine:
             config.engine_stall_timeout_s,
             engine_process=not config.engine_in_thread,
             restart_policy=RestartPolicy(max_restarts=config.max_engine_restarts),
+            step_timeout_s=config.engine_step_timeout_s,
         )
 
     return new_engine
