@@ -86,6 +86,19 @@ def test_other_routes_and_unparsable_bodies_get_no_hints(path: str, body: bytes)
     assert hints_from_body(path, body) is None
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_json_nested_beyond_the_parsers_depth_gets_no_hints(path: str) -> None:
+    # json.loads raises RecursionError (not ValueError) here; the replica then answers the request itself.
+    assert hints_from_body(path, b"[" * 100_000) is None
+    assert hints_from_body(path, b'{"prompt": ' + b"[" * 100_000 + b', "messages": 1}') is None
+
+
+def test_a_prompt_with_a_lone_surrogate_still_gets_its_keys() -> None:
+    body = b'{"prompt": "' + b"\\ud800" * BLOCK_CHARS + b'"}'  # the JSON escape, not the character
+    h = hints_from_body("/v1/completions", body)
+    assert h is not None and len(h.prefix_keys) == 1
+
+
 def test_token_id_prompts_count_one_token_per_id() -> None:
     h = hints_from_body("/v1/completions", json.dumps({"prompt": list(range(40)), "max_tokens": 10}).encode())
     assert h is not None and h.load_tokens == 50

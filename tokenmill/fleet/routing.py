@@ -24,6 +24,9 @@ from typing import Any
 BLOCK_CHARS = 64  # about 16 tokens of English: the engine's KV block
 MAX_PREFIX_BLOCKS = 32  # keys over the first 2048 characters; later blocks rarely change the choice
 CHARS_PER_TOKEN = 4  # a rough estimate: the router never tokenizes
+# A request's routing hints may name one replica instead (the admin calls sent to every replica): it
+# goes there and nowhere else.
+PIN_REPLICA = "replica"
 DEFAULT_MAX_TOKENS = 256  # load counted for a request that gives no max_tokens
 
 
@@ -50,7 +53,9 @@ def prefix_keys(
     parent = hashlib.sha256(json.dumps(["salt", cache_salt]).encode()).hexdigest()
     keys = []
     for start in range(0, min(len(prompt) // block_chars, max_blocks) * block_chars, block_chars):
-        parent = hashlib.sha256((parent + prompt[start : start + block_chars]).encode()).hexdigest()
+        # surrogatepass: a JSON string may hold a lone surrogate (\ud800), which strict UTF-8 refuses
+        block = (parent + prompt[start : start + block_chars]).encode(errors="surrogatepass")
+        parent = hashlib.sha256(block).hexdigest()
         keys.append(parent)
     return tuple(keys)
 
@@ -58,17 +63,16 @@ def prefix_keys(
 def hints_from_body(path: str, body: bytes, salt_extra: str | None = None) -> RoutingHints | None:
     """Routing hints of an OpenAI completions or chat request body; None for other routes or bodies
     that do not parse (the replica answers those; the router then only balances load).
+    Never raises: whatever the body, the replica answers it as the server would.
     `salt_extra` joins the request's cache_salt (the API key under per-key cache isolation); so does the
     request's `model`, since each model a replica serves keeps its own prefix cache."""
     if path not in ("/v1/completions", "/v1/chat/completions"):
         return None
     try:
         request = json.loads(body)
-    except ValueError:
+        prompt = _prompt(request, chat=path.endswith("chat/completions")) if isinstance(request, dict) else None
+    except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the parser goes
         return None
-    if not isinstance(request, dict):
-        return None
-    prompt = _prompt(request, chat=path.endswith("chat/completions"))
     if prompt is None:
         return None
     text, prompt_tokens = prompt
