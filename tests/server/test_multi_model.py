@@ -126,14 +126,15 @@ def test_admin_routes_need_the_admin_key(server: RunningServer) -> None:
     assert any(m["id"] == MODEL_NAME and m["pinned"] for m in listing.json()["data"])
 
 
-def test_corrupt_entry_is_a_clear_error_and_the_others_keep_serving(server: RunningServer) -> None:
+def test_corrupt_entry_is_a_clear_error_and_the_others_keep_serving(server: RunningServer, registry: Registry) -> None:
     with server.client() as c:
         broken = complete(c, "corrupt@1")
         fine = complete(c, "tiny@1")
         state = status(c, "corrupt@1")
     assert broken.status_code == 500
     error = broken.json()["error"]
-    assert error["code"] == "model_corrupt" and "corrupt@1" in error["message"] and "sha256" in error["message"]
+    assert error["code"] == "model_corrupt" and "tokenmill models verify corrupt@1" in error["message"]
+    assert str(registry.root) not in error["message"] and "sha256" not in error["message"]  # the detail: the log
     assert state == "not_loaded"
     assert fine.status_code == 200 and fine.json()["model"] == "tiny@1"
 
@@ -264,6 +265,8 @@ def test_extra_models_are_served_by_name_and_max_loaded_models_evicts(chat_model
         ({"max_loaded_models": 0}, "--max-loaded-models"),
         ({"memory_budget_gb": -1.0}, "--memory-budget-gb"),
         ({"extra_models": (("a", "x"), ("a", "y"))}, "--extra-model"),
+        ({"max_loading_models": 0}, "--max-loading-models"),
+        ({"model_loads_per_hour": -1}, "--model-loads-per-hour"),
     ],
 )
 def test_pool_settings_are_checked(fields: dict[str, Any], message: str) -> None:

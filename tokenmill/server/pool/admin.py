@@ -71,7 +71,7 @@ def admin_router(pool: ModelPool, admin_key: str | None) -> APIRouter:
     @router.put("/aliases/{alias}")
     async def move_alias(alias: str, body: AliasMove) -> dict[str, Any]:
         try:
-            target, previous = pool.catalog.set_alias(alias, body.model)
+            target, previous = await pool.catalog.move_alias(alias, body.model)
         except UnknownModelError as exc:
             raise APIError(404, str(exc), "model_not_found", "model") from None
         except RegistryError as exc:

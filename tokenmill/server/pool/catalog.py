@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenmill.registry import Registry, RegistryError, UnknownModelError, Version
+from tokenmill.registry import Registry, RegistryBusyError, RegistryError, UnknownModelError, Version
 from tokenmill.registry.describe import describe
+from tokenmill.server.errors import APIError
+
+# An admin request waits at most this long for another registry writer (`tokenmill models add`, say).
+REGISTRY_LOCK_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -86,3 +91,16 @@ class Catalog:
             raise RegistryError("aliases live in a registry: start the server with --registry DIR")
         previous = self.aliases().get(alias)
         return _from_version(self.registry.set_alias(alias, model_id)), previous
+
+    async def move_alias(self, alias: str, model_id: str) -> tuple[ModelEntry, str | None]:
+        """set_alias on a worker thread: the registry's lock and fsync never block the event loop. A 503
+        (Retry-After) when another writer holds the registry past its lock timeout."""
+        try:
+            return await asyncio.to_thread(self.set_alias, alias, model_id)
+        except RegistryBusyError:
+            raise APIError(
+                503,
+                "the model registry is busy with another write (a model being added, say); retry shortly.",
+                "registry_busy",
+                headers={"Retry-After": "5"},
+            ) from None

@@ -31,6 +31,7 @@ from tokenmill.server.pool.access import KeyAccess
 from tokenmill.server.pool.catalog import Catalog, ModelEntry
 from tokenmill.server.pool.estimate import GIB, kv_cache_bytes, weight_bytes
 from tokenmill.server.pool.metrics import PoolMetrics
+from tokenmill.server.pool.quota import LoadQuota
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ class ModelPool:
         self.main, self.catalog, self.config, self.access = main, catalog, config, access
         self._args = dataclasses.replace(main_args, speculative_config=None, generation_config="auto")
         self._new_engine = new_engine
+        self._quota = LoadQuota(config.model_loads_per_hour or None)
         self._models: dict[str, LoadedModel] = {}
         self.metrics = PoolMetrics(self._registries)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -161,10 +163,11 @@ class ModelPool:
         requested = model_id or entry.id
         if self.access is not None and not self.access.allows(key, (requested, entry.id, entry.name)):
             raise APIError(403, f"this API key may not use the model {requested!r}.", "model_not_allowed", "model")
-        return await self._hold(entry)
+        return await self._hold(entry, key)
 
-    async def _hold(self, entry: ModelEntry) -> Lease:
-        """A lease on the entry's model once it is ready, starting its load if it has none."""
+    async def _hold(self, entry: ModelEntry, key: str | None) -> Lease:
+        """A lease on the entry's model once it is ready, starting its load if it has none (charged to `key`;
+        None: the admin API's, not charged)."""
         model = self._models.get(entry.id)
         if model is not None and not model.pinned and model.state is not None and model.state.engine.is_dead:
             logger.warning("%s's engine is dead (%s): loading it again", entry.id, model.state.engine.dead_reason)
@@ -172,7 +175,7 @@ class ModelPool:
             self._spawn(self._stop(model))
             model = None
         if model is None:
-            model = self._begin_load(entry)
+            model = self._begin_load(entry, key)
         if model.status == "draining":
             raise APIError(
                 503,
@@ -214,11 +217,22 @@ class ModelPool:
     # ------------------------------------------------------------------ loading
     async def load(self, model_id: str) -> LoadedModel:
         """Load a model now (the admin route; no key's access list applies); a no-op for one loaded."""
-        lease = await self._hold(self.lookup(model_id))
+        lease = await self._hold(self.lookup(model_id), None)
         lease.release()
         return lease.model
 
-    def _begin_load(self, entry: ModelEntry) -> LoadedModel:
+    def _begin_load(self, entry: ModelEntry, key: str | None) -> LoadedModel:
+        loading = sum(1 for m in self._models.values() if m.status == "loading")
+        if loading >= self.config.max_loading_models:
+            raise APIError(
+                503,
+                f"{loading} models are loading already (the server's --max-loading-models); retry shortly.",
+                "model_pool_busy",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        if key is not None:  # charged before the load starts: a refused or failed load is paid for too
+            self.main.limiter.acquire(key, 0)  # a load counts as one request of the key's rate limit
+            self._quota.charge(key)
         estimate = self._estimate(entry)
         self._make_room(entry.id, estimate)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -370,10 +384,20 @@ class ModelPool:
 
 
 def _load_error(entry: ModelEntry, exc: Exception) -> APIError:
+    """The waiters' error. Generic: the exception names files and paths on the server, for its log only."""
     if isinstance(exc, RegistryCorruptError):
-        return APIError(500, f"the model {entry.id} cannot be loaded: {exc}", "model_corrupt", "model")
-    logger.error("loading %s failed: %s", entry.id, exc)
-    return APIError(500, f"the model {entry.id} failed to load: {exc}", "model_load_failed", "model")
+        logger.error("cannot load %s: %s", entry.id, exc)
+        return APIError(
+            500,
+            f"the model {entry.id} cannot be loaded: its files do not match its registry manifest (the server's "
+            f"operator can check it with `tokenmill models verify {entry.id}`).",
+            "model_corrupt",
+            "model",
+        )
+    logger.error("loading %s failed", entry.id, exc_info=exc)
+    return APIError(
+        500, f"the model {entry.id} failed to load; the server's log has the reason.", "model_load_failed", "model"
+    )
 
 
 @contextlib.asynccontextmanager

@@ -11,7 +11,7 @@ from tokenmill.engine.restart_policy import RestartPolicy
 from tokenmill.registry import Registry
 from tokenmill.server.config import ServerConfig, ServerState
 from tokenmill.server.pool.access import AccessPolicy, KeyAccess
-from tokenmill.server.pool.catalog import Catalog
+from tokenmill.server.pool.catalog import REGISTRY_LOCK_TIMEOUT_S, Catalog
 from tokenmill.server.pool.pool import ModelPool, NewEngine
 
 
@@ -43,7 +43,9 @@ def create_state(
     state = ServerState.create(config, engine)
     if not pool_config.enabled:
         return state
-    registry = Registry(pool_config.registry) if pool_config.registry is not None else None
+    registry = None
+    if pool_config.registry is not None:
+        registry = Registry(pool_config.registry, lock_timeout_s=REGISTRY_LOCK_TIMEOUT_S)
     access = None
     if policy is not None:
         by_name = {state.keys.identify(f"Bearer {key}"): patterns for key, patterns in policy.patterns.items()}
