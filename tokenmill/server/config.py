@@ -74,10 +74,11 @@ class PoolConfig:
         None, group="models", aliases=("--keep-alive",), metavar="SECONDS", help="unload a model idle this long"
     )
     max_loaded_models: int | None = setting(
-        None,
+        4,
         group="models",
         metavar="N",
-        help="at most N resident models, the default one included; the least recently used idle one makes room",
+        help="at most N resident models, the default one included; the least recently used idle one makes room "
+        "(default 4)",
     )
     memory_budget_gb: float | None = setting(
         None,
@@ -95,6 +96,20 @@ class PoolConfig:
         metavar="FILE",
         help="API key -> models it may use (default: the registry's access.json, if present)",
     )
+    max_loading_models: int = setting(
+        2,
+        group="models",
+        metavar="N",
+        help="at most N models loading at once (each load starts an engine and reads all its files); a request "
+        "that would start another gets 503 with Retry-After (default 2)",
+    )
+    model_loads_per_hour: int = setting(
+        20,
+        group="models",
+        metavar="N",
+        help="model loads each API key may start per hour by asking for a model that is not loaded (the admin "
+        "API's loads are not counted); past it 429 with Retry-After (default 20; 0: no limit)",
+    )
 
     def __post_init__(self) -> None:
         if self.keep_alive_s is not None and not self.keep_alive_s > 0:
@@ -108,6 +123,10 @@ class PoolConfig:
         names = [name for name, _ in self.extra_models]
         if len(set(names)) != len(names):
             raise ValueError("--extra-model names must differ from each other")
+        if self.max_loading_models < 1:
+            raise ValueError("--max-loading-models must be at least 1")
+        if self.model_loads_per_hour < 0:
+            raise ValueError("--model-loads-per-hour must be 0 (no limit) or more")
 
     @property
     def enabled(self) -> bool:
