@@ -1,10 +1,12 @@
 """Two replicas on a local Ray Serve instance, through the fleet's ingress and prefix-aware router: the
-official `openai` client (streamed and not), API keys, per-replica metrics, and shared-prefix requests
-landing on the replica that holds their prefix."""
+official `openai` client (streamed and not), API keys (checked before the body is read, throttled),
+per-replica metrics, admin calls reaching every replica, and shared-prefix requests landing on the
+replica that holds their prefix."""
 
 from __future__ import annotations
 
 import re
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,7 @@ from tokenmill.fleet.launcher import FleetRun  # noqa: E402
 from tokenmill.server.config import PoolConfig, ServerConfig  # noqa: E402
 
 KEY = "sk-fleet-test"
+ADMIN = "sk-fleet-admin"
 SHARED = "The capital of France is Paris. The quick brown fox jumps over the lazy dog. " * 3  # ~3 blocks
 
 
@@ -31,7 +34,7 @@ def fleet(
 ) -> Iterator[str]:
     monkeypatch_module.delenv("RAY_ADDRESS", raising=False)
     other = reseeded_copy(chat_model, tmp_path_factory.mktemp("other") / "model", seed=1)
-    pool = PoolConfig(extra_models=(("other", str(other)),))  # every replica serves it too, on demand
+    pool = PoolConfig(extra_models=(("other", str(other)),), admin_key=ADMIN)  # every replica serves it too
     config = ServerConfig(port=free_port(), served_model_name=MODEL_NAME, api_keys=(KEY,), models=pool)
     fleet = FleetConfig(num_replicas=2, routing_stats_period_s=0.5)
     run = FleetRun(engine_args(chat_model), config, fleet, log_to_driver=False)
@@ -157,3 +160,33 @@ def test_the_replicas_serve_the_extra_model_by_name(client: openai.OpenAI) -> No
     again = client.completions.create(model="other", prompt="The capital", max_tokens=8, temperature=0)
     assert other.model == "other" and default.model == MODEL_NAME
     assert other.choices[0].text == again.choices[0].text != default.choices[0].text  # its own weights
+
+
+def test_a_request_without_a_key_is_refused_before_its_body_arrives(fleet: str) -> None:
+    host, port = httpx.URL(fleet).host, httpx.URL(fleet).port
+    with socket.create_connection((host, port), timeout=20) as conn:
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Length: 1000000\r\n\r\n"
+        conn.sendall(head.encode() + b'{"prompt": "')  # and nothing more: the ingress must not wait for it
+        assert conn.recv(4096).startswith(b"HTTP/1.1 401 ")
+
+
+def test_json_nested_beyond_the_parsers_depth_gets_the_servers_answer(fleet: str) -> None:
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    response = httpx.post(f"{fleet}/v1/completions", content=b"[" * 100_000, headers=headers, timeout=30)
+    assert 400 <= response.status_code < 500 and response.json()["error"]
+
+
+def test_an_admin_call_reaches_every_replica(fleet: str) -> None:
+    listed = httpx.get(f"{fleet}/admin/models", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+    assert listed.status_code == 200, listed.text
+    replicas = listed.json()["replicas"]
+    assert len({r["replica"] for r in replicas}) == 2
+    assert all(r["status"] == 200 and MODEL_NAME in [m["id"] for m in r["body"]["data"]] for r in replicas)
+    assert httpx.get(f"{fleet}/admin/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).status_code == 401
+
+
+def test_failed_keys_on_the_fleets_metrics_are_throttled(fleet: str) -> None:
+    # Last in this module: it locks 127.0.0.1 out (the key that logged in from there still works).
+    statuses = [httpx.get(f"{fleet}/metrics", headers={"Authorization": "Bearer guess"}).status_code for _ in range(11)]
+    assert set(statuses) <= {401, 429} and statuses[-1] == 429
+    assert httpx.get(f"{fleet}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).status_code == 200

@@ -1,13 +1,13 @@
-"""The fleet's HTTP entry, behind Ray Serve's proxy: reads a request's body, works out its routing hints
-(prefix keys, token load), and relays it to a replica through a handle whose router is
-LLMRequestRouter (router.py); the replica's ASGI messages come back as they are produced (streams stay
-streams).
+"""The fleet's HTTP entry, behind Ray Serve's proxy: checks the caller's key from the headers, reads
+the body under the server's cap and deadline (front_door.py), works out its routing hints (prefix keys,
+token load), and relays it to a replica through a handle whose router is LLMRequestRouter (router.py);
+the replica's ASGI messages come back as they are produced (streams stay streams).
 
 A request whose replica fails before answering anything (the replica died, or it is draining) is
 sent again to another, up to `max_attempts` sends; a stream cut in the middle ends with an error
-event: never silently. /metrics is answered here: the fleet's own metrics
-plus every replica's, labelled with its replica. The ingress also watches the replica count and logs
-every scaling event."""
+event: never silently. /admin/... goes to every replica (admin.py): each has its own model pool.
+/metrics is answered here: the fleet's own metrics plus every replica's, labelled with its replica.
+The ingress also watches the replica count and logs every scaling event."""
 
 # No `from __future__ import annotations` here: FastAPI reads the route methods' annotations after Ray
 # Serve has rebuilt them, and cannot resolve them from strings there.
@@ -21,15 +21,19 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.types import Scope
 
+from tokenmill.fleet.admin import fan_out
 from tokenmill.fleet.config import FleetConfig
+from tokenmill.fleet.front_door import FrontDoor
 from tokenmill.fleet.logs import use_serve_logging
 from tokenmill.fleet.metrics import FleetMetrics
 from tokenmill.fleet.relay import Relay, retryable
 from tokenmill.fleet.routing import hints_from_body
 from tokenmill.server.config import ServerConfig
-from tokenmill.server.errors import APIError, error_body
-from tokenmill.server.security import ApiKeys
+from tokenmill.server.errors import error_body
+from tokenmill.server.pool.admin import ADMIN_PREFIX
+from tokenmill.server.security import authorization
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,16 @@ fleet_app = FastAPI(title="tokenmill fleet", docs_url=None, redoc_url=None, open
 _SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "query_string", "headers")
 _WATCH_INTERVAL_S = 2.0
 _LIVE_STATES = ("STARTING", "UPDATING", "RECOVERING", "RUNNING", "PENDING_MIGRATION")
+_ROUTER_WAIT_S = 10.0  # for the router to learn the replicas, when an admin call comes first
+
+
+# Module functions the routes call come before the class: serve.ingress copies the routes (and the
+# module globals they name) when it decorates the class.
+def _forwarded(request_scope: Scope) -> dict[str, Any]:
+    """The parts of the request's ASGI scope a replica needs (plain data: it crosses processes)."""
+    scope = {k: request_scope[k] for k in _SCOPE_KEYS if k in request_scope}
+    scope.update(root_path="", client=request_scope.get("client"), server=request_scope.get("server"))
+    return scope
 
 
 @serve.ingress(fleet_app)
@@ -50,26 +64,41 @@ class FleetIngress:
         use_serve_logging()
         self.config, self.fleet = config, fleet
         self.stats = FleetMetrics.for_model(model)
-        self.keys = ApiKeys(config.keys(), ())
+        self.door = FrontDoor(config)
         low, high = fleet.bounds
         self.stats.set_replicas(0, low, low, high)
         self._watch = asyncio.ensure_future(self._watch_replicas(replicas.deployment_name))
 
     @fleet_app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
-        if self.keys.enabled and not self.config.metrics_public:
-            try:
-                self.keys.identify(request.headers.get("authorization"))
-            except APIError as exc:
-                return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        refused = self.door.refusal(request)
+        if refused is not None:
+            return refused
         return Response(self.stats.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @fleet_app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
     async def forward(self, request: Request) -> Response:
-        body = await request.body()
-        scope = {k: request.scope[k] for k in _SCOPE_KEYS if k in request.scope}
-        scope.update(root_path="", client=request.scope.get("client"), server=request.scope.get("server"))
-        salt = request.headers.get("authorization") if self.config.prefix_cache_isolation == "per-key" else None
+        admin = request.url.path.startswith(ADMIN_PREFIX)
+        return self.door.admit(request, self._fan_out if admin else self._relay)
+
+    async def _fan_out(self, request_scope: Scope, body: bytes) -> Response:
+        if not self.fleet.prefix_router:
+            message = "in fleet mode the admin API needs the prefix-aware router (not --fleet-router ray-default)."
+            return JSONResponse(error_body(501, message, "not_supported"), status_code=501)
+        return await fan_out(self.replicas.handle, await self._replica_ids(), _forwarded(request_scope), body)
+
+    async def _replica_ids(self) -> list[str]:
+        """The replicas the router knows (it learns them from Ray Serve a moment after the ingress starts)."""
+        deadline = asyncio.get_running_loop().time() + _ROUTER_WAIT_S
+        while True:
+            ids = sorted({name for source in self.stats.stats_sources for name in source()})
+            if ids or asyncio.get_running_loop().time() > deadline:
+                return ids
+            await asyncio.sleep(0.2)
+
+    async def _relay(self, request_scope: Scope, body: bytes) -> Response:
+        scope = _forwarded(request_scope)
+        salt = authorization(scope["headers"]) if self.config.prefix_cache_isolation == "per-key" else None
         hints = hints_from_body(scope["path"], body, salt)
         routing = asdict(hints) if hints is not None else None
         failure = "no replica answered"

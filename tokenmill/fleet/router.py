@@ -4,7 +4,8 @@ among the replica deployment's replicas, for requests the ingress sends with the
 Ray Serve builds one router per handle, in the process that holds the handle (the ingress), and asks
 it for ranked replicas; the first rank is the policy's choice and the rest follow by load, so that a
 full replica (max_ongoing_requests) falls through to the next. `on_request_routed` and
-`on_request_completed` keep the policy's token counts exact for this router's own requests."""
+`on_request_completed` keep the policy's token counts exact for this router's own requests. A request
+pinned to one replica (an admin call the ingress sends to every replica) goes there and nowhere else."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from tokenmill.fleet.metrics import FleetMetrics
-from tokenmill.fleet.routing import Decision, PrefixAffinityPolicy, RoutingHints
+from tokenmill.fleet.routing import PIN_REPLICA, Decision, PrefixAffinityPolicy, RoutingHints
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,9 @@ class LLMRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        pinned = _pinned_replicas(candidate_replicas, pending_request)
+        if pinned is not None:
+            return pinned
         self._forget_gone_replicas()
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
         reported = {name: int(r.routing_stats.get("load_tokens", 0)) for name, r in by_name.items()}
@@ -53,6 +57,8 @@ class LLMRequestRouter(RequestRouter):
         return [[by_name[decision.replica]], [by_name[n] for n in rest]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        if _pin(pending_request) is not None:
+            return  # an admin call: no load to count, no prefix to remember
         request_id = pending_request.metadata.internal_request_id
         decision = self._decisions.pop(request_id, None)
         replica = replica_id.unique_id
@@ -80,11 +86,32 @@ class LLMRequestRouter(RequestRouter):
         self._known = live
 
 
-def _hints(pending_request: PendingRequest | None) -> RoutingHints | None:
+def _routing(pending_request: PendingRequest | None) -> dict[str, Any]:
     routing = pending_request.kwargs.get("routing") if pending_request is not None else None
-    if not routing:
+    return routing or {}
+
+
+def _pin(pending_request: PendingRequest | None) -> str | None:
+    pin = _routing(pending_request).get(PIN_REPLICA)
+    return str(pin) if pin is not None else None
+
+
+def _hints(pending_request: PendingRequest | None) -> RoutingHints | None:
+    routing = _routing(pending_request)
+    if "prefix_keys" not in routing:
         return None
     return RoutingHints(tuple(routing["prefix_keys"]), int(routing["load_tokens"]))
+
+
+def _pinned_replicas(
+    candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+) -> list[list[RunningReplica]] | None:
+    """The one replica a pinned request must go to (none while it is not among the candidates: Ray
+    then asks again as replicas change); None for a request that is not pinned."""
+    pin = _pin(pending_request)
+    if pin is None:
+        return None
+    return [[r for r in candidate_replicas if r.replica_id.unique_id == pin]]
 
 
 class StatsPowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):

@@ -10,7 +10,7 @@ from typing import Annotated, Any, BinaryIO
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import FileResponse, JSONResponse
 
-from tokenmill.server.config import ServerState
+from tokenmill.server.config import ServerConfig, ServerState
 from tokenmill.server.errors import APIError
 from tokenmill.server.files_store import FileObject, FileStore, new_file_id
 from tokenmill.server.openapi_errors import error_responses
@@ -26,7 +26,12 @@ ROUTE_ERRORS = error_responses(s404="No such file or batch (or not this key's)",
 
 def upload_body_limit(state: ServerState) -> int:
     """The body limit of POST /v1/files: a file at --max-file-bytes, with its envelope, and no more."""
-    return state.config.max_file_bytes + UPLOAD_ENVELOPE_BYTES
+    return upload_bytes_limit(state.config)
+
+
+def upload_bytes_limit(config: ServerConfig) -> int:
+    """The same, from the settings alone (the fleet's ingress has no server state)."""
+    return config.max_file_bytes + UPLOAD_ENVELOPE_BYTES
 
 
 def files_router(state: ServerState, store: FileStore) -> APIRouter:
