@@ -9,7 +9,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ import pytest
 
 from tests.tiny_models import make_tiny_model, random_prompts
 from tokenmill import LLM, SamplingParams
+from tokenmill.distributed.parallel_state import check_no_group, tp_world_size
 from tokenmill.outputs import RequestOutput
 
 pytestmark = pytest.mark.timeout(180)  # a broken collective must fail the test, never hang CI
@@ -31,12 +35,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprob
 
 def _generate(folder: Path, prompts: list[list[int]] = PROMPTS, **kwargs: Any) -> tuple[list[RequestOutput], int]:
     """(outputs, preemptions) of one engine, shut down afterwards."""
-    llm = LLM(str(folder), **kwargs)
-    try:
+    with LLM(str(folder), **kwargs) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         return outputs, llm.engine.scheduler.stats.num_preemptions
-    finally:
-        llm.engine.shutdown()
 
 
 def _tokens(outputs: list[RequestOutput]) -> list[list[int]]:
@@ -176,3 +177,32 @@ def test_a_follower_killed_mid_run_ends_every_request_with_an_error_and_the_engi
         assert output.error is not None and "rank 1 exited with code -9" in output.error
     with pytest.raises(RuntimeError, match="rank 1"):  # the engine is dead: no later step runs
         tp2_llm.engine.step()
+
+
+def test_a_deleted_tp_llm_leaves_no_group_so_the_next_one_can_start(tmp_path: Path) -> None:
+    llm = LLM(str(make_tiny_model(tmp_path, "llama")), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    follower = llm.engine.executor.processes[0]  # type: ignore[attr-defined]
+    del llm  # no shutdown(): dropping it stops its ranks and leaves the group
+    assert tp_world_size() == 1 and not follower.is_alive()
+    check_no_group()  # what the next LLM(tensor_parallel_size=2) checks first
+
+
+def test_leaving_with_shuts_the_llm_down(tmp_path: Path) -> None:
+    with LLM(str(make_tiny_model(tmp_path, "llama")), dtype="float32", num_kv_blocks=64) as llm:
+        assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+
+
+def test_a_script_without_the_main_guard_gets_an_error_naming_it(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path, "llama")
+    script = tmp_path / "no_guard.py"  # the ranks' processes run this again when they import __main__
+    script.write_text(
+        f"from tokenmill import LLM\nLLM({str(folder)!r}, dtype='float32', num_kv_blocks=64, tensor_parallel_size=2)\n"
+    )
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150)
+    assert result.returncode != 0
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert 'if __name__ == "__main__":' in last_line and "DistStoreError" not in result.stderr, result.stderr[-3000:]
+    assert time.monotonic() - started < 55  # not the 60 s the group's store waits for a rank

@@ -33,6 +33,7 @@ from tokenmill.executor.messages import (
     ExecuteStep,
     RankFailed,
     RankReady,
+    RankStarted,
     Shutdown,
     WorkerCommand,
 )
@@ -225,6 +226,7 @@ def test_other_rank_commands(command: WorkerCommand) -> None:
 
 
 def test_a_ranks_reply() -> None:
+    assert RANK_REPLIES.decode(RANK_REPLIES.encode(RankStarted())) == RankStarted()
     assert RANK_REPLIES.decode(RANK_REPLIES.encode(RankReady())) == RankReady()
     assert RANK_REPLIES.decode(RANK_REPLIES.encode(RankFailed("OSError"))) == RankFailed("OSError")
     with pytest.raises(WireError):

@@ -7,6 +7,7 @@ so TP=1 runs the same code as before tensor parallelism existed."""
 from __future__ import annotations
 
 import datetime
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -46,9 +47,11 @@ def backend_for(device: str) -> str:
 def check_no_group() -> None:
     """Raise a ValueError if this process has joined a group already (one tensor-parallel engine per process)."""
     if dist.is_initialized():
+        gc.collect()  # an engine nobody holds may be in a reference cycle: its finalizer leaves the group
+    if dist.is_initialized():
         raise ValueError(
-            "this process already runs a tensor-parallel engine: shut it down first (llm.engine.shutdown()); "
-            "one tensor-parallel engine per process."
+            "this process already runs a tensor-parallel engine: shut it down first (llm.shutdown(), or "
+            "`with LLM(...) as llm:`); one tensor-parallel engine per process."
         )
 
 

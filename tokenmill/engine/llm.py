@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -45,7 +46,11 @@ class LLM:
     speculative_config (vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}; a bad one is
     a ValueError here). Each finished RequestOutput's metrics count its draft and accepted tokens.
 
-    Calls without `sampling_params` use `get_default_sampling_params()`."""
+    Calls without `sampling_params` use `get_default_sampling_params()`.
+
+    `shutdown()` (or leaving `with LLM(...) as llm:`) stops the engine; so does dropping the last
+    reference to it. With tensor_parallel_size > 1 the ranks are processes started with "spawn": they
+    import the main module again, so a script must create the LLM under `if __name__ == "__main__":`."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.config, source = create_engine_config(EngineArgs(model=model, **kwargs))
@@ -57,6 +62,19 @@ class LLM:
         self.inputs = InputProcessor(self.tokenizer, vocab_size, eos, self.engine.scheduler.limits, grammars)
         self.pooling = ModelPooling.of(source.folder, self.config.model.hf_config)
         self._ids = itertools.count()
+        # Holds the engine, not self: runs once, at shutdown(), when this LLM is garbage, or at exit.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the engine: its tensor-parallel ranks exit and this process leaves their group, so a new
+        tensor-parallel LLM can start here. Later calls do nothing; generating afterwards raises."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
         return self.tokenizer
@@ -199,6 +217,8 @@ class LLM:
 
     def _iterate(self, prepared: list[PreparedRequest]) -> Iterator[RequestOutput]:
         """Queue the requests, then step the engine until all have finished, yielding each update."""
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM was shut down: create a new one.")
         processor = OutputProcessor(self.tokenizer)
         children: dict[str, list[Request]] = {}
         for req in prepared:

@@ -23,6 +23,7 @@ from tokenmill.executor.messages import (
     ProfileRun,
     RankFailed,
     RankReady,
+    RankStarted,
     Shutdown,
     WorkerCommand,
 )
@@ -45,7 +46,8 @@ def follower_main(
     cores: list[int],
     conn: Connection,
 ) -> None:
-    """The process target of rank `rank`; reports ["ready"] or ["failed", why] on `conn` after loading."""
+    """The process target of rank `rank`: reports it has started on `conn`, then ready or failed after loading."""
+    conn.send_bytes(RANK_REPLIES.encode(RankStarted()))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which stops us in order
     configure_child_logging(f"rank {rank}", f"tokenmill rank {rank}: %(levelname)s %(message)s")
     try:

@@ -1,4 +1,4 @@
-"""The commands rank 0 sends its followers, and a follower's one reply (loaded, or not), one msgspec
+"""The commands rank 0 sends its followers, and a follower's replies (started; loaded, or not), one msgspec
 Struct each, as msgpack by field name (tokenmill.wire; never pickle). The step command carries the
 whole SchedulerOutput, so every rank updates the same request states and runs the same step."""
 
@@ -33,6 +33,10 @@ WorkerCommand = ExecuteStep | AllocateKVCache | ProfileRun | CaptureCudaGraphs |
 WORKER_COMMANDS: Codec[WorkerCommand] = Codec(WorkerCommand, "command from rank 0")
 
 
+class RankStarted(Message):
+    """The follower's process has started: it got past re-importing the main module ("spawn")."""
+
+
 class RankReady(Message):
     """The follower has loaded its shard and waits for commands."""
 
@@ -43,6 +47,6 @@ class RankFailed(Message):
     reason: str
 
 
-RankReply = RankReady | RankFailed
+RankReply = RankStarted | RankReady | RankFailed
 
 RANK_REPLIES: Codec[RankReply] = Codec(RankReply, "reply from a tensor-parallel rank")

@@ -23,7 +23,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.distributed.parallel_state import check_no_group, destroy_tensor_parallel
 from tokenmill.executor.base import ExecutorDeadError
 from tokenmill.executor.follower import follower_main
-from tokenmill.executor.messages import RANK_REPLIES, WORKER_COMMANDS, RankFailed, Shutdown
+from tokenmill.executor.messages import RANK_REPLIES, WORKER_COMMANDS, RankFailed, RankStarted, Shutdown
 from tokenmill.executor.rank_setup import cores_for_rank, free_port, seed_rank, setup_rank
 from tokenmill.executor.spmd import SpmdExecutor
 from tokenmill.structured.compiler import GrammarCompiler
@@ -73,6 +73,7 @@ class MultiprocExecutor(SpmdExecutor):
                 self.processes.append(process)
                 self.conns.append(mine)
         try:
+            self._wait_started()  # before joining the group, which would wait 60 s for a rank that never came
             setup_rank(config, 0, init_method, cores_for_rank(cores, 0, world_size))
             self.driver = ModelRunner(config, folder, eos_token_ids, grammars)
             seed_rank(config)
@@ -123,6 +124,22 @@ class MultiprocExecutor(SpmdExecutor):
         for rank, process in enumerate(self.processes, start=1):
             if process.exitcode is not None:
                 raise ExecutorDeadError(f"tensor-parallel rank {rank} exited with code {process.exitcode}")
+
+    def _wait_started(self) -> None:
+        for rank, (conn, process) in enumerate(zip(self.conns, self.processes), start=1):
+            if not conn.poll(READY_TIMEOUT_S):
+                raise ExecutorDeadError(f"tensor-parallel rank {rank} did not start within {READY_TIMEOUT_S:.0f} s")
+            try:
+                reply = RANK_REPLIES.decode(conn.recv_bytes())
+            except (EOFError, OSError):
+                process.join(EXIT_TIMEOUT_S)
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank}'s process exited (code {process.exitcode}) before it started. "
+                    "Ranks start with 'spawn' and import the main module again, so a script must create "
+                    'LLM(tensor_parallel_size > 1) under `if __name__ == "__main__":` (see its log above).'
+                ) from None
+            if not isinstance(reply, RankStarted):
+                raise ExecutorDeadError(f"tensor-parallel rank {rank} sent {reply!r} before it started")
 
     def _wait_ready(self) -> None:
         for rank, (conn, process) in enumerate(zip(self.conns, self.processes), start=1):
