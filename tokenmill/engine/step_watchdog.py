@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 FLOOR_S = 60.0
 MARGIN = 20.0
-# Steps remembered for the percentile: the last few minutes of a busy engine.
+# Steps remembered for the percentile: recent enough to follow a change of load, enough for a p99.
 RECENT_STEPS = 1024
 
 
