@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import jsonschema
+import llguidance
 import openai
 import pydantic
 import pytest
@@ -219,6 +223,70 @@ def test_a_constraint_that_does_not_compile_is_a_400_and_the_server_goes_on(
     assert isinstance(info.value.body, dict) and info.value.body["type"] == "invalid_request_error"
     out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=3)
     assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_constraint_over_the_servers_caps_is_a_400_naming_its_field(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=3, extra_body={"guided_choice": ["a"] * 1001}
+        )
+    assert isinstance(info.value.body, dict)
+    assert (info.value.body["param"], info.value.body["code"]) == ("guided_choice", "grammar_too_large")
+
+
+SLOW_S = 2.0  # how long the slow grammar takes to build, at the front end's check and in the engine
+
+
+def slow_llguidance(marker: str) -> type:
+    """llguidance's LLMatcher, but a grammar holding `marker` takes SLOW_S to validate and to compile
+    (sleeping holds no GIL, as llguidance's own compiles)."""
+    real = llguidance.LLMatcher
+
+    def slowly(grammar: str) -> None:
+        if marker in grammar:
+            time.sleep(SLOW_S)
+
+    class SlowMatcher:
+        grammar_from_json_schema = staticmethod(real.grammar_from_json_schema)
+        grammar_from_regex = staticmethod(real.grammar_from_regex)
+        grammar_from_lark = staticmethod(real.grammar_from_lark)
+
+        def __new__(cls, tokenizer: Any, grammar: str, **kwargs: Any) -> Any:
+            slowly(grammar)
+            return real(tokenizer, grammar, **kwargs)
+
+        @staticmethod
+        def validate_grammar(grammar: str, *args: Any, **kwargs: Any) -> str:
+            slowly(grammar)
+            return real.validate_grammar(grammar, *args, **kwargs)
+
+    return SlowMatcher
+
+
+def test_a_slow_grammar_stalls_no_other_requests_templating_or_stream(
+    client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = f"slow{uuid.uuid4().hex[:8]}"
+    monkeypatch.setattr(llguidance, "LLMatcher", slow_llguidance(marker))
+    slow: dict[str, Any] = {}
+
+    def ask_slow() -> None:
+        started = time.monotonic()
+        extra = {"guided_regex": f"{marker}[0-9]"}
+        out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=16, extra_body=extra)
+        slow.update(seconds=time.monotonic() - started, text=out.choices[0].message.content)
+
+    thread = threading.Thread(target=ask_slow)
+    thread.start()
+    latencies = []  # other requests, one after another while the slow one compiles: templated, streamed
+    while thread.is_alive():
+        started = time.monotonic()
+        for _ in client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, stream=True):
+            pass
+        latencies.append(time.monotonic() - started)
+    thread.join()
+    assert re.fullmatch(f"{marker}[0-9]", slow["text"]) and slow["seconds"] >= SLOW_S
+    assert len(latencies) >= 4 and max(latencies) < SLOW_S / 2, latencies
 
 
 def test_the_schema_states_the_new_fields(server: RunningServer) -> None:

@@ -18,6 +18,7 @@ from tokenmill.server.constraints import output_constraint
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.tools import constrained_calls, plan_tools, template_message
+from tokenmill.structured.limits import MAX_GRAMMAR_BYTES_CEILING, GrammarLimits
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}
 
@@ -88,6 +89,50 @@ def test_a_structured_outputs_without_exactly_one_field_is_a_400(so: dict[str, A
     with pytest.raises(APIError) as info:
         constraint(chat(structured_outputs=so))
     assert (info.value.status, info.value.param) == (400, "structured_outputs")
+
+
+# ---------------------------------------------------------------------- size caps
+
+BIG = "x" * ((64 << 10) + 1)  # one byte over the default cap
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"guided_choice": [f"c{i}" for i in range(1001)]}, "guided_choice", "1001 choices"),
+        ({"structured_outputs": {"choice": ["a", BIG]}}, "structured_outputs", "at most 65536"),
+        ({"guided_regex": BIG}, "guided_regex", "regex is 65537 bytes"),
+        ({"guided_grammar": f'start: "{BIG}"'}, "guided_grammar", "at most 65536"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": [BIG]}}}},
+            "response_format",
+            "json is 65551 bytes",
+        ),
+    ],
+)
+def test_a_constraint_over_the_caps_is_a_400_naming_its_field(fields: dict[str, Any], param: str, words: str) -> None:
+    with pytest.raises(APIError) as info:
+        constraint(chat(**fields))
+    assert (info.value.status, info.value.param, info.value.code) == (400, param, "grammar_too_large")
+    assert words in info.value.message
+
+
+def test_the_tools_schema_counts_against_the_cap() -> None:
+    body = chat(tools=[tool(f"f{i}", CITY) for i in range(100)], tool_choice="required")
+    plan = plan_tools(body, None)
+    assert output_constraint(body, None, plan.schema) is not None  # within the default cap
+    with pytest.raises(APIError) as info:
+        output_constraint(body, None, plan.schema, GrammarLimits(max_bytes=4096))
+    assert info.value.param == "tool_choice"
+
+
+def test_caps_at_the_limit_pass_and_bad_caps_are_refused() -> None:
+    exactly = "x" * ((64 << 10) - 4)  # as a JSON list: 65536 bytes
+    assert constraint(chat(guided_choice=[exactly])) is not None
+    assert constraint(chat(guided_choice=[f"c{i}" for i in range(1000)])) is not None
+    for bad in ({"max_bytes": 0}, {"max_bytes": MAX_GRAMMAR_BYTES_CEILING + 1}, {"max_choices": 0}):
+        with pytest.raises(ValueError, match="--max-grammar"):
+            GrammarLimits(**bad)
 
 
 # ---------------------------------------------------------------------- tool_choice

@@ -5,9 +5,13 @@ tests/e2e/test_structured_output_e2e.py."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import random
+import threading
+import time
+from concurrent.futures import Future
 from typing import Any
 
 import llguidance
@@ -22,9 +26,18 @@ from tokenmill.sample.sampler import Sampler
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.scheduling.request import Request, RequestStatus
 from tokenmill.scheduling.scheduler import AdmissionLimits
-from tokenmill.structured.compiler import GrammarCompiler
-from tokenmill.structured.llguidance_backend import LLGuidanceBackend, grammar_text, llguidance_grammars
+from tokenmill.server.constraints import check_compiles
+from tokenmill.server.errors import APIError
+from tokenmill.structured.compiler import GrammarCompiler, spec_text
+from tokenmill.structured.limits import MAX_GRAMMAR_BYTES_CEILING
+from tokenmill.structured.llguidance_backend import (
+    LLGuidanceBackend,
+    LLGuidanceChecker,
+    grammar_text,
+    llguidance_grammars,
+)
 from tokenmill.structured.manager import StructuredOutputManager
+from tokenmill.structured.waitlist import GrammarWaitlist
 
 EOS = 2
 VOCAB = 300 + 37  # the logits are wider than the tokenizer: ids from 300 on are never allowed
@@ -244,6 +257,114 @@ def test_the_same_spec_compiles_once(backend: LLGuidanceBackend) -> None:
     assert grammars.compile(StructuredOutputsParams(json=ab)) is first
     grammars.compile(StructuredOutputsParams(json=ba))
     assert len(compiled) == 4
+
+
+def deep_chain(max_bytes: int) -> str:
+    """A Lark grammar of one chain of rules (`a0: a1`, `a1: a2`, ...) as long as fits in `max_bytes`:
+    llguidance builds it recursively, some 3 KB of native stack a rule."""
+    lines = ["start: a0"]
+    size, i = len(lines[0]), 0
+    while size + 2 * len(f"a{i + 1:x}: a{i + 2:x}\n") + 8 < max_bytes:
+        lines.append(f"a{i:x}: a{i + 1:x}")
+        size += len(lines[-1]) + 1
+        i += 1
+    return "\n".join([*lines, f'a{i:x}: "z"'])
+
+
+def test_a_grammar_as_deep_as_the_cap_allows_compiles_on_a_deep_stack(tokenizer: Any, backend: Any) -> None:
+    """On a thread's default 8 MB stack the process would die of a segmentation fault."""
+    spec = StructuredOutputsParams(grammar=deep_chain(MAX_GRAMMAR_BYTES_CEILING))
+    assert len(spec_text(spec)) <= MAX_GRAMMAR_BYTES_CEILING and spec_text(spec).count("\n") > 15_000
+    LLGuidanceChecker(tokenizer).check(spec)
+    matcher = GrammarCompiler(lambda: backend).compile(spec).matcher()
+    assert matcher.num_valid_prefix(backend.ll_tokenizer.tokenize_str("z")) == 1
+
+
+class Gated:
+    """A backend whose compiles wait for `release`, counting them."""
+
+    def __init__(self, backend: LLGuidanceBackend) -> None:
+        self.inner, self.num_words = backend, backend.num_words
+        self.release = threading.Event()
+        self.compiled: list[StructuredOutputsParams] = []
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        self.release.wait(10)
+        self.compiled.append(spec)
+        return self.inner.compile(spec)
+
+
+def test_a_spec_compiles_once_on_a_compile_thread_while_the_caller_goes_on(backend: LLGuidanceBackend) -> None:
+    gated = Gated(backend)
+    grammars = GrammarCompiler(lambda: gated)
+    spec = StructuredOutputsParams(regex="[ab]+")
+    first = grammars.compile_async(spec)
+    assert grammars.compile_async(StructuredOutputsParams(regex="[ab]+")) is first  # shares the compile
+    assert not first.done() and grammars.cached(spec) is None  # the caller did not wait
+    gated.release.set()
+    grammar = first.result(10)
+    assert grammars.cached(spec) is grammar and grammars.compile_async(spec).result(0) is grammar
+    assert len(gated.compiled) == 1
+
+
+def test_the_waitlist_hands_back_compiled_requests_in_arrival_order_and_failures_with_why() -> None:
+    waitlist: GrammarWaitlist[str] = GrammarWaitlist()
+    futures: list[Future[Any]] = [Future() for _ in range(4)]
+    for name, future in zip("abcd", futures):
+        waitlist.add(name, name, future)
+    waitlist.remove("c")  # aborted while compiling
+    futures[1].set_result(object())
+    futures[0].set_exception(ValueError("structured_outputs.regex is invalid: x"))
+    futures[2].set_result(object())
+    compiled = waitlist.take_compiled()
+    assert (compiled.ready, compiled.failed) == (["b"], [("a", "structured_outputs.regex is invalid: x")])
+    assert len(waitlist) == 1  # d compiles on
+    started = time.monotonic()
+    waitlist.wait(0.05)
+    assert time.monotonic() - started >= 0.04
+    futures[3].set_exception(RecursionError("deep"))
+    assert waitlist.take_compiled().failed == [("d", "the output constraint failed to compile: RecursionError('deep')")]
+
+
+def test_the_front_end_checks_a_spec_once(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    validated: list[StructuredOutputsParams] = []
+    real = LLGuidanceChecker._validate
+    monkeypatch.setattr(LLGuidanceChecker, "_validate", staticmethod(lambda spec: (validated.append(spec), real(spec))))
+    checker = LLGuidanceChecker(tokenizer)
+    for _ in range(3):
+        checker.check(StructuredOutputsParams(json={"type": "object"}))
+    with pytest.raises(ValueError):
+        checker.check(StructuredOutputsParams(regex="(bad"))
+    with pytest.raises(ValueError):  # a refusal is not remembered as valid
+        checker.check(StructuredOutputsParams(regex="(bad"))
+    assert len(validated) == 3
+
+
+def test_a_check_past_the_deadline_is_a_400_and_the_event_loop_never_waits() -> None:
+    class Slow:  # as llguidance: the compile thread holds no GIL while it sleeps
+        def check(self, spec: StructuredOutputsParams) -> None:
+            time.sleep(0.5)
+
+    async def run() -> tuple[APIError, float]:
+        gaps: list[float] = []
+
+        async def tick() -> None:
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.01)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+
+        ticker = asyncio.create_task(tick())
+        with pytest.raises(APIError) as info:
+            await check_compiles(Slow(), StructuredOutputsParams(regex="a"), 0.1)
+        ticker.cancel()
+        return info.value, max(gaps)
+
+    error, longest_gap = asyncio.run(run())
+    assert (error.status, error.code) == (400, "grammar_compile_timeout")
+    assert "did not compile within 0.1 s" in error.message
+    assert longest_gap < 0.09  # the loop ticked on while the check ran
 
 
 # Invalid specs and the words of llguidance's message for each.

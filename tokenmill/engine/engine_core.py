@@ -23,8 +23,12 @@ from tokenmill.scheduling.request import Request, RequestStatus
 from tokenmill.scheduling.scheduler import Scheduler
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.llguidance_backend import LLGuidanceBackend
+from tokenmill.structured.waitlist import GrammarWaitlist
 
 logger = logging.getLogger(__name__)
+
+# How long a step with nothing to run but grammars compiling waits for one: new commands wait as long.
+GRAMMAR_POLL_S = 0.01
 
 
 def num_kv_blocks(config: EngineConfig, runner: Executor) -> int:
@@ -137,6 +141,7 @@ class EngineCore:
         """`grammars`: a compiler to share with the front end in this process (LLM does); else its own."""
         self.config = config
         self.grammars = grammars if grammars is not None else grammar_compiler(config, source)
+        self.grammar_waitlist: GrammarWaitlist[Request] = GrammarWaitlist()
         # One model runner per tensor-parallel rank; `runner` is rank 0's, in this process.
         self.executor = make_executor(config, source.folder, source.eos_token_ids, self.grammars)
         self.runner = self.executor.driver
@@ -183,15 +188,17 @@ class EngineCore:
         # The executor's followers get the params on the wire (a dict schema as its text).
         request.sampling_params = params_for_wire(request.sampling_params)
         spec = request.sampling_params.structured_outputs
-        if spec is not None:  # compiled (and cached) here, so a bad spec fails its request alone
-            self.grammars.compile(spec)
+        if spec is not None and self.grammars.cached(spec) is None:  # compiles off the step loop
+            self.grammar_waitlist.add(request.req_id, request, self.grammars.compile_async(spec))
+            return
         self.scheduler.add_request(request)
 
     def abort_request(self, req_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        self.grammar_waitlist.remove(req_id)
         self.scheduler.finish_request(req_id, status)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or len(self.grammar_waitlist) > 0
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (a no-op at tensor_parallel_size 1)."""
@@ -200,6 +207,26 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if self.dead_reason is not None:
             raise ExecutorDeadError(self.dead_reason)
+        compiled = self._admit_compiled()
+        if len(self.grammar_waitlist) and not self.scheduler.has_unfinished():  # wait a little, never spin
+            self.grammar_waitlist.wait(GRAMMAR_POLL_S)
+            return compiled
+        return compiled + self._step()
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Schedule the requests whose grammar has compiled; those it failed for end with its error."""
+        if not len(self.grammar_waitlist):
+            return []
+        compiled = self.grammar_waitlist.take_compiled()
+        for request in compiled.ready:
+            self.scheduler.add_request(request)
+        outputs = []
+        for request, error in compiled.failed:
+            request.status = RequestStatus.FINISHED_ERROR
+            outputs.append(EngineCoreOutput(request.req_id, [], finish_reason="error", error=error))
+        return outputs
+
+    def _step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
         self.last_step = StepShape()  # until this step's model run succeeds
         sched = self.scheduler.schedule()

@@ -93,7 +93,7 @@ async def prepare_chat(
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true.", "invalid_request", "top_logprobs")
     plan = plan_tools(body, state.tool_parser)
-    constraint = output_constraint(body, body.response_format, plan.schema)
+    constraint = output_constraint(body, body.response_format, plan.schema, state.config.grammar_limits)
     messages = [template_message(m) for m in body.messages]
     template_kwargs = _template_kwargs(state, body)
     check_messages_size(state, messages, plan.template_tools, template_kwargs)

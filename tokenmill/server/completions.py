@@ -93,7 +93,7 @@ async def prepare_completion(
     check_logit_bias(state, body.logit_bias)
     for prompt in prompts:
         check_prompt_size(state, prompt)
-    constraint = output_constraint(body)
+    constraint = output_constraint(body, limits=state.config.grammar_limits)
     prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
     try:
         params = sampling_params(body, body.max_tokens, body.logprobs, prompt_lps, state.sampling_defaults, constraint)

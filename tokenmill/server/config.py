@@ -18,6 +18,12 @@ from tokenmill.server.reasoning import REASONING_PARSERS, ReasoningParser
 from tokenmill.server.security import ApiKeys, LoginThrottle, RateLimiter
 from tokenmill.server.tool_parsers import TOOL_PARSERS, ToolParser
 from tokenmill.settings import setting
+from tokenmill.structured.limits import (
+    DEFAULT_MAX_GRAMMAR_BYTES,
+    DEFAULT_MAX_GRAMMAR_CHOICES,
+    MAX_GRAMMAR_BYTES_CEILING,
+    GrammarLimits,
+)
 
 if TYPE_CHECKING:
     from tokenmill.server.pool.pool import ModelPool
@@ -437,6 +443,29 @@ class ServerConfig:
     )
 
 
+    # Output constraints (constraints.py): what one may ask the grammar library to build, and how long for.
+    max_grammar_bytes: int = setting(
+        DEFAULT_MAX_GRAMMAR_BYTES,
+        group="limits",
+        metavar="BYTES",
+        help="largest JSON schema, regex, grammar or choice list (as JSON) one request may constrain its output "
+        f"with; larger gets 400 (default {DEFAULT_MAX_GRAMMAR_BYTES}, at most {MAX_GRAMMAR_BYTES_CEILING})",
+    )
+    max_grammar_choices: int = setting(
+        DEFAULT_MAX_GRAMMAR_CHOICES,
+        group="limits",
+        metavar="N",
+        help=f"most choices a guided_choice list may hold; more get 400 (default {DEFAULT_MAX_GRAMMAR_CHOICES})",
+    )
+    grammar_compile_timeout_s: float = setting(
+        5.0,
+        group="timeouts",
+        aliases=("--grammar-compile-timeout",),
+        metavar="SECONDS",
+        help="an output constraint must compile within this many seconds, else 400 (default 5; within the "
+        "size caps a compile takes milliseconds)",
+    )
+
     def __post_init__(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both, or neither")
@@ -447,6 +476,7 @@ class ServerConfig:
             ("--max-queue-time", self.max_queue_time_s),
             ("--body-read-timeout", self.body_read_timeout_s),
             ("--header-read-timeout", self.header_read_timeout_s),
+            ("--grammar-compile-timeout", self.grammar_compile_timeout_s),
         ):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds")
@@ -474,6 +504,12 @@ class ServerConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
         parse_template_kwargs(self.chat_template_kwargs or {})
+        _ = self.grammar_limits  # caps out of range: ValueError
+
+    @property
+    def grammar_limits(self) -> GrammarLimits:
+        """--max-grammar-bytes and --max-grammar-choices (a ValueError for values out of range)."""
+        return GrammarLimits(self.max_grammar_bytes, self.max_grammar_choices)
 
     @property
     def tls(self) -> bool:

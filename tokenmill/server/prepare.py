@@ -4,12 +4,11 @@ under this server's caps; what it refuses becomes the API's 400 error object."""
 
 from __future__ import annotations
 
-import asyncio
-
 from tokenmill.engine.input_processor import PreparedRequest
 from tokenmill.engine.request_limits import RequestCaps, RequestRejected
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.config import ServerState
+from tokenmill.server.constraints import check_compiles
 from tokenmill.server.errors import APIError
 
 
@@ -29,17 +28,15 @@ async def prepare(
     default_max_tokens: int | None,
 ) -> PreparedRequest:
     """The engine's checks of a tokenized request (400 on failure). A request with an output constraint
-    checks its grammar here: that runs on the prompt thread, off the event loop, like tokenization."""
+    checks its grammar first, on a compile thread within the server's deadline: the rest of the
+    checks then find it checked."""
     caps = request_caps(state, default_max_tokens)
-
-    def process() -> PreparedRequest:
+    try:
+        if params.structured_outputs is not None:
+            timeout_s = state.config.grammar_compile_timeout_s
+            await check_compiles(state.engine.inputs.grammars, params.structured_outputs, timeout_s)
         inputs = state.engine.inputs
         return inputs.process(request_id, prompt_text or prompt_ids, params, priority, prompt_ids, cache_salt, caps)
-
-    try:
-        if params.structured_outputs is None:
-            return process()
-        return await asyncio.get_running_loop().run_in_executor(state.prompt_pool, process)
     except RequestRejected as exc:
         raise APIError(400, str(exc), exc.code, exc.param) from exc
     except (ValueError, RecursionError) as exc:  # RecursionError: a schema nested beyond reason

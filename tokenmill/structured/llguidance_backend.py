@@ -4,13 +4,16 @@ that each request copies."""
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import llguidance
 import torch
 
 from tokenmill.sampling_params import StructuredOutputsParams
-from tokenmill.structured.compiler import GrammarCompiler
+from tokenmill.structured.compile_threads import COMPILE_THREADS
+from tokenmill.structured.compiler import GrammarCompiler, spec_key
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -20,6 +23,8 @@ if TYPE_CHECKING:
 # default) lets a weak model emit blank lines forever. A schema with its own "x-guidance" options
 # (llguidance's) gets those instead.
 _JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": "[ ]?"}
+# Specs a front end remembers as valid (a key each): a client resending its schema is checked once.
+CHECKED_CAPACITY = 1024
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -70,13 +75,33 @@ def _checked_text(spec: StructuredOutputsParams) -> str:
 class LLGuidanceChecker:
     """A front end's check of specs, for an engine that compiles them in its own process: llguidance
     validates the grammar without the tokenizer, so the front end neither reads the vocabulary nor
-    compiles the grammar the engine will compile (once) for the request."""
+    compiles the grammar the engine will compile (once) for the request. Each spec is validated once,
+    on a compile thread; the valid ones are remembered."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, capacity: int = CHECKED_CAPACITY) -> None:
         self.tokenizer = tokenizer
+        self.capacity = capacity
+        self._valid: OrderedDict[str, None] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
 
     def check(self, spec: StructuredOutputsParams) -> None:
         _require_fast(self.tokenizer)
+        key = spec_key(spec)
+        with self._lock:
+            if key in self._valid:
+                self._valid.move_to_end(key)
+                return
+        if COMPILE_THREADS.is_current():
+            self._validate(spec)
+        else:
+            COMPILE_THREADS.submit(self._validate, spec).result()
+        with self._lock:
+            self._valid[key] = None
+            if len(self._valid) > self.capacity:
+                self._valid.popitem(last=False)
+
+    @staticmethod
+    def _validate(spec: StructuredOutputsParams) -> None:
         error = llguidance.LLMatcher.validate_grammar(_checked_text(spec))
         if error:
             raise ValueError(f"structured_outputs.{spec.kind} is invalid: {error}")
