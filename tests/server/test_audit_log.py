@@ -74,6 +74,7 @@ def test_a_line_per_request_with_typed_fields(plain: tuple[Path, list[dict[str, 
             "time",
             "key",
             "client",
+            "method",
             "route",
             "model",
             "status",
@@ -92,6 +93,7 @@ def test_a_line_per_request_with_typed_fields(plain: tuple[Path, list[dict[str, 
     assert done["key"] == streamed["key"] == bad["key"] == key_id(f"Bearer {KEY}")
     assert len(done["key"]) == 12 and unauthorized["key"] == "-"
     assert done["model"] == streamed["model"] == MODEL_NAME
+    assert {line["method"] for line in lines} == {"POST"}
     assert isinstance(done["prompt_tokens"], int) and done["prompt_tokens"] > 0
     assert done["output_tokens"] == 3 and done["finish_reason"] == "length"
     assert isinstance(streamed["prompt_tokens"], int) and streamed["prompt_tokens"] > 0

@@ -1,10 +1,15 @@
 """/dashboard and /dashboard/data: the same numbers as /metrics, errors counted by type without request
-contents, the KV block breakdown, and the API key in front of both."""
+contents, the KV block breakdown, and the API key in front of the data (the page sends the key it was
+opened with)."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
+from importlib.resources import files
 from pathlib import Path
 
 import pytest
@@ -206,14 +211,70 @@ def test_errors_are_counted_by_type_without_request_contents(dash_server: Runnin
     assert SECRET not in str(data)
 
 
-def test_dashboard_needs_the_api_key_when_keys_are_set(chat_model: Path) -> None:
+def test_a_browsers_favicon_request_is_not_an_error(dash_server: RunningServer) -> None:
+    with dash_server.client() as client:
+        before = client.get("/dashboard/data").json()["errors"]["totals"]
+        assert client.get("/favicon.ico").status_code == 204
+        after = client.get("/dashboard/data").json()["errors"]["totals"]
+    assert after == before
+
+
+def test_the_page_loads_without_a_key_and_its_data_needs_one(chat_model: Path) -> None:
     with run_server(chat_model, ServerConfig(api_keys=("k1",))) as running, running.client() as client:
-        assert client.get("/dashboard").status_code == 401
+        # A browser cannot send a header when it opens a page: the page and its files hold no data.
+        assert client.get("/dashboard").status_code == 200
+        assert client.get("/dashboard/static/dashboard.js").status_code == 200
+        assert client.get("/favicon.ico").status_code == 204
         assert client.get("/dashboard/data").status_code == 401
         auth = {"Authorization": "Bearer k1"}
-        assert client.get("/dashboard", headers=auth).status_code == 200
         data = client.get("/dashboard/data", headers=auth).json()
-    assert data["errors"]["totals"]["unauthorized"] == 2
+    assert data["errors"]["totals"]["unauthorized"] == 1
+
+
+# The page's script under node, with the browser's objects stubbed: which key each fetch sends.
+_PAGE_RUN = """
+const fs = require("fs"), vm = require("vm");
+const [script, hash, stored, answer, status] = process.argv.slice(1);  // node -e: no script path
+const store = new Map(stored ? [["tokenmill-api-key", stored]] : []);
+const seen = { fetches: [], urls: [], prompts: 0 };
+const element = () => ({ textContent: "", dataset: {} });
+const context = {
+  location: { hash, pathname: "/dashboard", search: "" },
+  history: { replaceState: (s, t, url) => { seen.urls.push(url); context.location.hash = ""; } },
+  sessionStorage: { getItem: (k) => store.get(k) ?? null, setItem: (k, v) => store.set(k, v),
+                    removeItem: (k) => store.delete(k) },
+  window: { devicePixelRatio: 1, prompt: () => { seen.prompts += 1; return answer || null; } },
+  document: { getElementById: element, body: element() },
+  fetch: async (url, init) => { seen.fetches.push({ url, auth: init.headers.Authorization ?? null });
+                                return { ok: false, status: Number(status) }; },
+  setTimeout: () => {},
+};
+vm.runInNewContext(fs.readFileSync(script, "utf8"), context);
+setImmediate(() => { seen.stored = store.get("tokenmill-api-key") ?? null; console.log(JSON.stringify(seen)); });
+"""
+
+
+def _run_page(hash_: str, stored: str = "", answer: str = "", status: int = 500) -> dict:
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    script = files("tokenmill.server.dashboard") / "static" / "dashboard.js"
+    args = [node, "-e", _PAGE_RUN, str(script), hash_, stored, answer, str(status)]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=30, check=True).stdout
+    return dict(json.loads(out))
+
+
+def test_the_page_sends_the_key_it_was_opened_with_and_never_in_a_url() -> None:
+    seen = _run_page("#key=s%20k")
+    assert seen["fetches"] == [{"url": "/dashboard/data?since=0", "auth": "Bearer s k"}]
+    assert seen["urls"] == ["/dashboard"]  # the fragment leaves the address bar and history
+    assert seen["stored"] == "s k"  # kept for this tab's next refreshes
+
+
+def test_the_page_uses_the_stored_key_and_asks_once_on_401() -> None:
+    assert _run_page("", stored="kept")["fetches"][0]["auth"] == "Bearer kept"
+    seen = _run_page("", answer="typed", status=401)
+    assert seen["fetches"][0]["auth"] is None and seen["prompts"] == 1 and seen["stored"] == "typed"
 
 
 def test_no_dashboard_removes_the_page_but_keeps_the_metrics(chat_model: Path) -> None:

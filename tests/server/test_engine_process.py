@@ -107,6 +107,9 @@ def test_an_engine_that_keeps_dying_ends_dead(chat_model: Path) -> None:
                 time.sleep(0.05)
             health = client.get("/health")
             assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+            # Public: it says what, not why; the reason is behind the key (and in the log).
+            assert "exit code" not in health.text
+            assert "exit code" in client.get("/dashboard/data").json()["engine"]["detail"]
             late = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
             assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
 

@@ -1,5 +1,6 @@
 """Fairness between clients: the waiting-queue bound holds for a request arriving at an empty queue,
-`priority` counts only for --priority-keys, failed logins are throttled per address, and /metrics
+`priority` counts only for --priority-keys, failed logins are throttled per address (X-Forwarded-For
+only from --forwarded-allow-ips), and /metrics
 needs a key once keys are set (unless --metrics-public)."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 
 from tests.server.conftest import RunningServer, run_server
 from tokenmill.server.config import ServerConfig
+from tokenmill.server.security import LoginThrottle
 
 SMALL = {"prompt": [5, 6, 7, 8], "max_tokens": 2, "ignore_eos": True}
 
@@ -109,6 +111,20 @@ def test_failed_logins_are_throttled_per_address(keyed: RunningServer) -> None:
         assert client.post("/v1/completions", json=SMALL, headers=auth("guess")).status_code == 401
         assert client.post("/v1/completions", json=SMALL, headers=auth("plain")).status_code == 200
     keyed.wait_idle()
+
+
+def test_x_forwarded_for_is_ignored_from_a_peer_not_in_forwarded_allow_ips(
+    keyed: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # From loopback, which uvicorn's own default trusts: a guesser naming a new client each time
+    # must still be one address to the throttle.
+    monkeypatch.setattr(keyed.state, "throttle", LoginThrottle(max_failures=2))  # restored after the test
+    with keyed.client() as client:
+        codes = [
+            client.post("/v1/completions", json=SMALL, headers={**auth("guess"), "X-Forwarded-For": f"10.9.9.{i}"})
+            for i in range(3)
+        ]
+    assert [r.status_code for r in codes] == [401, 401, 429]
 
 
 def test_metrics_needs_a_key_once_keys_are_set(keyed: RunningServer) -> None:

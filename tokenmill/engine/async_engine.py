@@ -337,6 +337,8 @@ class AsyncEngine:
             self._give_up(reason, failed)
 
     def _give_up(self, reason: str, failed: bool) -> None:
+        if failed:  # the reason's one place for the operator: /health does not say it
+            logger.error("the engine is dead, no more restarts: %s", reason)
         self.restarting = None
         self.dead_reason, self.failed = reason, failed
         for request_id in list(self.streams):

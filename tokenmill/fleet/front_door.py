@@ -32,7 +32,7 @@ class FrontDoor:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.keys = ApiKeys(config.keys(), ())
-        admin_key = config.models.admin_key
+        admin_key = config.models.resolved_admin_key()
         self.admin_keys = ApiKeys([admin_key] if admin_key else [], ())
         self.throttle = LoginThrottle(config.max_failed_logins)
         self.public = _PUBLIC_PATHS | {"/metrics"} if config.metrics_public else _PUBLIC_PATHS

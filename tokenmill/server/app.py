@@ -23,14 +23,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tokenmill
 from tokenmill.server import batches, embeddings, messages, responses
-from tokenmill.server.audit import AuditLog, AuditMiddleware
+from tokenmill.server.audit import AuditLog, AuditMiddleware, note_model
 from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
 from tokenmill.server.config import ServerState
-from tokenmill.server.dashboard import Dashboard
+from tokenmill.server.dashboard import DASHBOARD_PAGE, DASHBOARD_STATIC, Dashboard
 from tokenmill.server.dashboard.errors import ErrorTrackerMiddleware
 from tokenmill.server.errors import APIError, error_body, error_body_for, install_error_handlers
 from tokenmill.server.files import UPLOAD_PATH, upload_body_limit
+from tokenmill.server.health import engine_trouble
 from tokenmill.server.hosts import HostMiddleware, allowed_hosts
 from tokenmill.server.openapi_errors import ROUTE_ERRORS, streamed
 from tokenmill.server.pool.admin import ADMIN_PREFIX, admin_router
@@ -49,7 +50,9 @@ from tokenmill.server.security import authenticate, authorization, client_addres
 
 logger = logging.getLogger(__name__)
 
-_PUBLIC_PATHS = frozenset({"/health", "/ready"})
+# The dashboard's page and files hold no data (its data route needs a key); browsers ask for /favicon.ico.
+_PUBLIC_PATHS = frozenset({"/health", "/ready", "/favicon.ico", DASHBOARD_PAGE})
+_PUBLIC_PREFIXES = (DASHBOARD_STATIC,)
 THROUGHPUT_LOG_INTERVAL_S = 10.0
 
 
@@ -90,11 +93,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=streamed(ROUTE_ERRORS))
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        note_model(request.scope, body.model)
         async with state_for_model(state, body.model, request_key(request.scope)) as target:
             return await create_completion(target, body, request, request_key(request.scope))
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=streamed(ROUTE_ERRORS))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        note_model(request.scope, body.model)
         async with state_for_model(state, body.model, request_key(request.scope)) as target:
             return await create_chat_completion(target, body, request, request_key(request.scope))
 
@@ -116,17 +121,16 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/health", responses={503: ROUTE_ERRORS[503]})
     async def health() -> Response:
         """Liveness: 503 while a new engine starts after one died, once the engine is dead for good,
-        or while a step has stalled."""
-        if state.engine.is_dead:
-            return JSONResponse(
-                error_body(503, f"the engine is dead: {state.engine.dead_reason}", "engine_dead"), status_code=503
-            )
-        if state.engine.restarting is not None:
-            message = f"the engine is restarting after it died: {state.engine.restarting}"
-            return JSONResponse(error_body(503, message, "engine_restarting"), status_code=503)
-        if state.engine.is_stalled():
-            return JSONResponse(error_body(503, "the engine step has stalled.", "engine_stalled"), status_code=503)
+        or while a step has stalled. Public, so it never says why (the log and the dashboard do)."""
+        trouble = engine_trouble(state.engine)
+        if trouble is not None:
+            return JSONResponse(error_body(503, trouble.message, trouble.code), status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> Response:
+        """No icon: answered so that a browser's own request is not a 404 on the dashboard's errors."""
+        return Response(status_code=204)
 
     @app.get("/ready", responses={503: ROUTE_ERRORS[503]})
     async def ready() -> Response:
@@ -150,7 +154,7 @@ def build_app(state: ServerState) -> FastAPI:
         return {"version": tokenmill.__version__}
 
     if state.models is not None:
-        app.include_router(admin_router(state.models, state.config.models.admin_key))
+        app.include_router(admin_router(state.models, state.config.models.resolved_admin_key(), state.throttle))
 
     # The last added runs first: keys are checked before any body is read.
     public = _PUBLIC_PATHS | {"/metrics"} if state.config.metrics_public else _PUBLIC_PATHS
@@ -165,7 +169,7 @@ def build_app(state: ServerState) -> FastAPI:
     # Outside auth and the body limit, so that their 401s, 429s and 413s are counted too.
     app.add_middleware(ErrorTrackerMiddleware, tracker=dashboard.errors)
     if audit is not None:  # outside auth and the body limit, so that their 401s, 429s and 413s are written too
-        app.add_middleware(AuditMiddleware, audit=audit, model_name=state.model_name)
+        app.add_middleware(AuditMiddleware, audit=audit, model_name=state.model_name, admin_prefix=ADMIN_PREFIX)
     if state.config.allowed_origins:  # outside auth: preflights carry no key, and 401s need CORS headers
         app.add_middleware(
             CORSMiddleware,
@@ -205,7 +209,8 @@ class AuthMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The admin routes check the admin key themselves.
-        if scope["type"] != "http" or scope["path"] in self.public or scope["path"].startswith(ADMIN_PREFIX):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if not path or path in self.public or path.startswith((ADMIN_PREFIX, *_PUBLIC_PREFIXES)):
             return await self.app(scope, receive, send)
         try:
             address = client_address(scope)

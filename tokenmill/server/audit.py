@@ -1,14 +1,17 @@
-"""`--audit-log FILE`: one JSON line per finished completion or chat request, errors and aborts included.
+"""`--audit-log FILE`: one JSON line per finished completion or chat request, errors and aborts included,
+and per admin API call (load, unload, alias moves: `route` says which, `model` names the target).
 
     {"time": "2026-11-25T21:30:00.123+00:00", "key": "9f86d081884c", "client": "127.0.0.1",
-     "route": "/v1/chat/completions", "model": "tiny-chat", "status": 200, "prompt_tokens": 12,
-     "output_tokens": 8, "latency_s": 0.412, "finish_reason": "stop"}
+     "method": "POST", "route": "/v1/chat/completions", "model": "tiny-chat", "status": 200,
+     "prompt_tokens": 12, "output_tokens": 8, "latency_s": 0.412, "finish_reason": "stop"}
 
 `key` is the first 12 hex digits of the SHA-256 of the bearer token ("-" without one), never the
 token itself. Prompts and outputs (`"prompt"`, `"output"`) are written only with
---audit-log-content. The middleware only times the request and takes note of what the routes hand
-over (the job, via the scope); the JSON is built and written on a writer thread (a QueueListener),
-so a slow disk never blocks the event loop, and every queued line is written before `close` returns.
+--audit-log-content; only then is the request body kept. The middleware only times the request and
+takes note of what the routes hand over (the job and the requested model, via the scope); the JSON
+is built and written on a writer thread (a QueueListener), so a slow disk never blocks the event
+loop, and every queued line is written before `close` returns. Any text is written: what UTF-8
+cannot encode (a lone surrogate from a JSON escape) is written as its JSON escape.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from logging.handlers import QueueListener
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tokenmill.server.security import authorization, client_address
 
 if TYPE_CHECKING:
     from tokenmill.server.job import Job
@@ -44,11 +49,12 @@ def key_id(authorization: str | None) -> str:
 class AuditRecord:
     """What one request's line is made of; the routes attach their job with `attach_job`."""
 
-    __slots__ = ("body", "job")
+    __slots__ = ("body", "job", "model")
 
     def __init__(self) -> None:
         self.job: Job | None = None
-        self.body: list[bytes] = []
+        self.model: str | None = None  # as the request named it, for lines without a job
+        self.body: list[bytes] = []  # only with --audit-log-content
 
 
 def attach_job(scope: Scope, job: Job) -> None:
@@ -56,6 +62,13 @@ def attach_job(scope: Scope, job: Job) -> None:
     record = scope.get(SCOPE_KEY)
     if record is not None:
         record.job = job
+
+
+def note_model(scope: Scope, model: object) -> None:
+    """Hand the model a request names (once its body is parsed) to the audit middleware."""
+    record = scope.get(SCOPE_KEY)
+    if record is not None and isinstance(model, str):
+        record.model = model
 
 
 def job_fields(job: Job, content: bool) -> dict[str, Any]:
@@ -80,17 +93,15 @@ class _JsonLineHandler(logging.FileHandler):
     """Appends each record's dict as one JSON line (on the listener's thread); flushes every line."""
 
     def __init__(self, path: str, content: bool) -> None:
-        super().__init__(path, mode="a", encoding="utf-8", delay=False)
+        # A lone surrogate (JSON lets a string hold one) cannot be UTF-8: written as backslash-u-dXXX,
+        # which is that character's own JSON escape, so the line stays valid JSON and faithful.
+        super().__init__(path, mode="a", encoding="utf-8", delay=False, errors="backslashreplace")
         self.content = content
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = dict(record.audit)  # type: ignore[attr-defined]
-        body: bytes = record.body  # type: ignore[attr-defined]
-        parsed = _parse(body)
-        if entry.get("model") is None:
-            model = parsed.get("model")
-            entry["model"] = model if isinstance(model, str) else None
         if self.content:
+            parsed = _parse(record.body)  # type: ignore[attr-defined]
             entry["prompt"] = parsed.get("messages", parsed.get("prompt"))
             entry.setdefault("output", None)
         return json.dumps(entry, ensure_ascii=False, separators=(",", ":"))
@@ -131,13 +142,15 @@ class AuditLog:
 
 
 class AuditMiddleware:
-    """Times each completion and chat request and writes its line once its response has ended."""
+    """Times each completion and chat request (and each call under `admin_prefix`) and writes its line
+    once its response has ended."""
 
-    def __init__(self, app: ASGIApp, audit: AuditLog, model_name: str) -> None:
-        self.app, self.audit, self.model_name = app, audit, model_name
+    def __init__(self, app: ASGIApp, audit: AuditLog, model_name: str, admin_prefix: str) -> None:
+        self.app, self.audit, self.model_name, self.admin_prefix = app, audit, model_name, admin_prefix
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in AUDITED_PATHS:
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path not in AUDITED_PATHS and not (path and path.startswith(self.admin_prefix)):
             return await self.app(scope, receive, send)
         start = time.monotonic()
         record = AuditRecord()
@@ -146,7 +159,7 @@ class AuditMiddleware:
 
         async def audited_receive() -> Message:
             message = await receive()
-            if message["type"] == "http.request":
+            if message["type"] == "http.request" and self.audit.content:
                 record.body.append(message.get("body", b""))
             return message
 
@@ -165,13 +178,13 @@ class AuditMiddleware:
             self._write(scope, record, status, time.monotonic() - start)
 
     def _write(self, scope: Scope, record: AuditRecord, status: int | None, latency: float) -> None:
-        auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
         fields: dict[str, Any] = {
             "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
-            "key": key_id(auth),
-            "client": scope["client"][0] if scope.get("client") else None,
+            "key": key_id(authorization(scope["headers"])),
+            "client": client_address(scope) or None,
+            "method": scope["method"],
             "route": scope["path"],
-            "model": self.model_name if record.job is not None else None,  # else the body's, if any
+            "model": self.model_name if record.job is not None else record.model,
             "status": status if status is not None else 499,  # no response at all: the client left
             "prompt_tokens": None,
             "output_tokens": None,

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from tokenmill.server.pool.pool import ModelPool
 
 API_KEY_ENV = "TOKENMILL_API_KEY"  # one key, or several separated by commas
+ADMIN_KEY_ENV = "TOKENMILL_ADMIN_KEY"  # the admin API's key (--admin-key-file, --admin-key)
 PREFIX_CACHE_ISOLATION = ("shared", "per-key")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -93,7 +94,11 @@ class PoolConfig:
         help="resident models' estimated weights + KV cache stay within this; a load that cannot fit gets 503",
     )
     admin_key: str | None = setting(
-        None, group="models", metavar="KEY", help="the key of /admin/... (load, unload, move aliases)"
+        None,
+        group="models",
+        metavar="KEY",
+        help=f"the key of /admin/... (load, unload, move aliases); visible in `ps`: prefer ${ADMIN_KEY_ENV} "
+        "or --admin-key-file",
     )
     access_file: str | None = setting(
         None,
@@ -116,6 +121,12 @@ class PoolConfig:
         help="model loads each API key may start per hour by asking for a model that is not loaded (the admin "
         "API's loads are not counted); past it 429 with Retry-After (default 20; 0: no limit)",
     )
+    admin_key_file: str | None = setting(
+        None,
+        group="models",
+        metavar="FILE",
+        help=f"read the admin key from the first line of FILE (else --admin-key, else ${ADMIN_KEY_ENV})",
+    )
 
     def __post_init__(self) -> None:
         if self.keep_alive_s is not None and not self.keep_alive_s > 0:
@@ -133,6 +144,24 @@ class PoolConfig:
             raise ValueError("--max-loading-models must be at least 1")
         if self.model_loads_per_hour < 0:
             raise ValueError("--model-loads-per-hour must be 0 (no limit) or more")
+        if self.admin_key is not None and self.admin_key_file is not None:
+            raise ValueError("give the admin key once: --admin-key or --admin-key-file, not both")
+
+    def resolved_admin_key(self) -> str | None:
+        """The admin API's key: --admin-key, else --admin-key-file's first line, else $TOKENMILL_ADMIN_KEY;
+        None (the admin API is off) without any."""
+        if self.admin_key is not None:
+            return self.admin_key
+        if self.admin_key_file is not None:
+            path = Path(self.admin_key_file).expanduser()
+            try:
+                key = (path.read_text().splitlines() or [""])[0].strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"--admin-key-file {path}: cannot read it ({exc})") from None
+            if not key:
+                raise ValueError(f"--admin-key-file {path}: its first line is empty")
+            return key
+        return os.environ.get(ADMIN_KEY_ENV, "").strip() or None
 
     @property
     def enabled(self) -> bool:
@@ -441,7 +470,6 @@ class ServerConfig:
         help="proxies (addresses or networks, comma-separated; '*' for any) whose X-Forwarded-For names the "
         "client; from any other peer the header is ignored (default: none, the peer is the client)",
     )
-
 
     # Output constraints (constraints.py): what one may ask the grammar library to build, and how long for.
     max_grammar_bytes: int = setting(

@@ -102,6 +102,9 @@ def make_server(state: ServerState, log_level: str = "info") -> GracefulServer:
         ssl_cert_reqs=c.ssl_cert_reqs,
         limit_concurrency=c.limit_concurrency,
         http=header_deadline_protocol(c.header_read_timeout_s),
+        # X-Forwarded-For only from the proxies named, never by uvicorn's defaults ($FORWARDED_ALLOW_IPS, loopback)
+        proxy_headers=bool(c.forwarded_allow_ips),
+        forwarded_allow_ips=list(c.forwarded_allow_ips) or None,
     )
     return GracefulServer(config, state)
 

@@ -27,10 +27,13 @@ from tokenmill.server.dashboard.errors import ErrorTracker
 from tokenmill.server.dashboard.history import INTERVAL_S, History
 from tokenmill.server.dashboard.samples import Samples, per_bucket
 from tokenmill.server.errors import error_response
+from tokenmill.server.health import engine_trouble
 
 logger = logging.getLogger(__name__)
 _STATIC = files("tokenmill.server.dashboard") / "static"
 _ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+DASHBOARD_PAGE = "/dashboard"
+DASHBOARD_STATIC = "/dashboard/static/"
 
 
 class Dashboard:
@@ -96,16 +99,17 @@ class Dashboard:
             "errors": {"totals": now.by("tokenmill:request_errors_total", "type"), "recent": list(self.errors.recent)},
             "scaling_events": list(self.history.scaling_events),
             "metrics": now.flat(),
+            "engine": _engine_status(self.state),
         }
 
     def _routes(self) -> APIRouter:
         router = APIRouter(include_in_schema=False)
 
-        @router.get("/dashboard")
+        @router.get(DASHBOARD_PAGE)
         async def page() -> HTMLResponse:
             return HTMLResponse((_STATIC / "index.html").read_text())
 
-        @router.get("/dashboard/static/{name}")
+        @router.get(DASHBOARD_STATIC + "{name}")
         async def asset(name: str) -> Response:
             if name not in _ASSETS:
                 return error_response(404, "no such dashboard file.")
@@ -121,3 +125,9 @@ class Dashboard:
 def _json_buckets(cumulative: list[tuple[float, float]]) -> list[tuple[float | str, float]]:
     """Each bucket's own count, its bound as JSON can carry it (+Inf as a string)."""
     return [(le if math.isfinite(le) else "+Inf", n) for le, n in per_bucket(cumulative)]
+
+
+def _engine_status(state: ServerState) -> dict[str, str | None]:
+    """The engine's state and, behind the API key, why it is not up (public /health does not say)."""
+    trouble = engine_trouble(state.engine)
+    return {"state": "ok", "detail": None} if trouble is None else {"state": trouble.code, "detail": trouble.detail}

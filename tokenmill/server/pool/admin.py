@@ -1,4 +1,5 @@
-"""The admin API (/admin/...), behind --admin-key rather than the API keys:
+"""The admin API (/admin/...), behind the admin key ($TOKENMILL_ADMIN_KEY, --admin-key-file or --admin-key)
+rather than the API keys, through the same failed-login throttle; each call is a line of --audit-log:
 
     POST /admin/models/load    {"model": "smol@2"}                 load now (the first request then waits for nothing)
     POST /admin/models/unload  {"model": "smol@1"}                 drain its requests, then stop its engine
@@ -11,7 +12,6 @@ Moving an alias back to the version it left is a rollback: requests already on t
 
 from __future__ import annotations
 
-import hmac
 import time
 from typing import Any
 
@@ -19,8 +19,11 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 
 from tokenmill.registry import RegistryError, UnknownModelError
+from tokenmill.server.audit import note_model
+from tokenmill.server.config import ADMIN_KEY_ENV
 from tokenmill.server.errors import APIError
 from tokenmill.server.pool.pool import LoadedModel, ModelPool
+from tokenmill.server.security import ApiKeys, LoginThrottle, authenticate, authorization, client_address
 
 ADMIN_PREFIX = "/admin/"
 
@@ -37,18 +40,23 @@ class AliasMove(BaseModel):
     unload_previous: bool = False  # drain and unload the version the alias pointed at
 
 
-def admin_router(pool: ModelPool, admin_key: str | None) -> APIRouter:
+def admin_router(pool: ModelPool, admin_key: str | None, throttle: LoginThrottle) -> APIRouter:
+    keys = ApiKeys([admin_key] if admin_key is not None else [])
+
     def check_admin(request: Request) -> None:
-        if admin_key is None:
-            raise APIError(401, "the admin API is off: start the server with --admin-key.", "invalid_admin_key")
-        scheme, _, given = (request.headers.get("authorization") or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), admin_key.encode()):
+        if not keys.enabled:
+            raise APIError(401, f"the admin API is off: start the server with ${ADMIN_KEY_ENV}.", "invalid_admin_key")
+        try:
+            authenticate(keys, throttle, client_address(request.scope), authorization(request.scope["headers"]))
+        except APIError as exc:
+            if exc.status != 401:
+                raise
             raise APIError(
                 401,
                 "missing or wrong admin key: send 'Authorization: Bearer ADMIN_KEY'.",
                 "invalid_admin_key",
                 headers={"WWW-Authenticate": "Bearer"},
-            )
+            ) from None
 
     router = APIRouter(prefix="/admin", dependencies=[Depends(check_admin)], include_in_schema=False)
 
@@ -57,19 +65,22 @@ def admin_router(pool: ModelPool, admin_key: str | None) -> APIRouter:
         return {"data": [_describe(m) for m in pool.loaded()]}
 
     @router.post("/models/load")
-    async def load(body: ModelAction) -> dict[str, Any]:
+    async def load(body: ModelAction, request: Request) -> dict[str, Any]:
+        note_model(request.scope, body.model)
         started = time.monotonic()
         model = await pool.load(body.model)
         return _describe(model) | {"seconds": round(time.monotonic() - started, 3)}
 
     @router.post("/models/unload")
-    async def unload(body: ModelAction) -> dict[str, Any]:
+    async def unload(body: ModelAction, request: Request) -> dict[str, Any]:
+        note_model(request.scope, body.model)
         started = time.monotonic()
         model = await pool.unload(body.model, body.drain_timeout)
         return _describe(model) | {"seconds": round(time.monotonic() - started, 3)}
 
     @router.put("/aliases/{alias}")
-    async def move_alias(alias: str, body: AliasMove) -> dict[str, Any]:
+    async def move_alias(alias: str, body: AliasMove, request: Request) -> dict[str, Any]:
+        note_model(request.scope, body.model)
         try:
             target, previous = await pool.catalog.move_alias(alias, body.model)
         except UnknownModelError as exc:

@@ -196,10 +196,38 @@ function draw() {
     `$${s.cost_per_hour}/hour · $${fmt(cur.cost_per_million)} per 1M tokens at ${fmt(100 * cur.utilization)}% utilization`);
 }
 
+// The API key the page was opened with: /dashboard#key=KEY (a fragment never reaches the server), else
+// asked for once the server answers 401. Kept in this tab's sessionStorage, sent as a header only.
+const KEY_ITEM = "tokenmill-api-key";
+let asked = false;
+
+function apiKey() {
+  const match = /(?:^#|&)key=([^&]*)/.exec(location.hash);
+  if (match) {
+    sessionStorage.setItem(KEY_ITEM, decodeURIComponent(match[1]));
+    history.replaceState(null, "", location.pathname + location.search); // off the address bar and history
+  }
+  return sessionStorage.getItem(KEY_ITEM);
+}
+
+function askForKey() {
+  sessionStorage.removeItem(KEY_ITEM);
+  if (asked) return;
+  asked = true; // once: a cancelled prompt must not come back every second
+  const key = window.prompt("This server needs an API key to show its dashboard:");
+  if (key) sessionStorage.setItem(KEY_ITEM, key.trim());
+}
+
 async function refresh() {
   const since = points.length ? points[points.length - 1].t : 0;
   try {
-    const response = await fetch(`/dashboard/data?since=${since}`, { credentials: "same-origin" });
+    const key = apiKey();
+    const headers = key ? { Authorization: `Bearer ${key}` } : {};
+    const response = await fetch(`/dashboard/data?since=${since}`, { credentials: "same-origin", headers });
+    if (response.status === 401) {
+      askForKey();
+      throw new Error("HTTP 401: open the page as /dashboard#key=YOUR_API_KEY");
+    }
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     last = await response.json();
     points = points.concat(last.points).filter((p) => p.t > last.now - HISTORY_S);
