@@ -16,6 +16,7 @@ from starlette.types import Message, Scope
 from tokenmill.fleet.admin import ReplicaAnswer, combined
 from tokenmill.fleet.front_door import FrontDoor
 from tokenmill.server.config import PoolConfig, ServerConfig
+from tokenmill.server.dashboard import DASHBOARD_PAGE, DASHBOARD_STATIC
 from tokenmill.server.errors import error_body
 
 KEY, ADMIN = "sk-user", "sk-admin"
@@ -122,6 +123,13 @@ def test_admin_paths_take_the_admin_key_and_public_paths_none() -> None:
     assert Call([b"{}"]).run(app, "/admin/models/load", bearer(KEY))[0] == 401
     assert Call([b"{}"]).run(app, "/admin/models/load", bearer(ADMIN))[0] == 200
     assert Call([b""]).run(app, "/health", {}, method="GET")[0] == 200
+
+
+def test_the_dashboards_page_and_files_need_no_key_as_on_the_server() -> None:
+    app = front_app()
+    for path in (DASHBOARD_PAGE, f"{DASHBOARD_STATIC}dashboard.js"):
+        assert Call([b""]).run(app, path, {}, method="GET")[0] == 200
+    assert Call([b""]).run(app, "/v1/models", {}, method="GET")[0] == 401
 
 
 def answer(replica: str, status: int, message: str = "") -> ReplicaAnswer:

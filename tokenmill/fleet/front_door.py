@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenmill.server.app import _PUBLIC_PATHS, BodyLimitMiddleware
+from tokenmill.server.app import _PUBLIC_PATHS, _PUBLIC_PREFIXES, BodyLimitMiddleware
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError, error_response
 from tokenmill.server.files import upload_bytes_limit
@@ -47,7 +47,7 @@ class FrontDoor:
         """The error the server would answer (401, or 429 while the address is throttled) unless the
         request may go on: a public path, a valid API key, or on /admin/... the admin key."""
         path = request.scope["path"]
-        if path in self.public or self._preflight(request):
+        if path in self.public or path.startswith(_PUBLIC_PREFIXES) or self._preflight(request):
             return None
         keys = self.admin_keys if path.startswith(ADMIN_PREFIX) else self.keys
         try:
