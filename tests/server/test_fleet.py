@@ -155,6 +155,7 @@ def test_the_app_builder_takes_tokenmill_serve_flags(chat_model: Path) -> None:
 
 
 def test_the_replicas_serve_the_extra_model_by_name(client: openai.OpenAI) -> None:
+    client = client.with_options(timeout=180)  # the first request waits for the model's engine to start
     default = client.completions.create(model=MODEL_NAME, prompt="The capital", max_tokens=8, temperature=0)
     other = client.completions.create(model="other", prompt="The capital", max_tokens=8, temperature=0)
     again = client.completions.create(model="other", prompt="The capital", max_tokens=8, temperature=0)
