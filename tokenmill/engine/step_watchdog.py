@@ -7,7 +7,7 @@ silence past the step timeout means one step has run that long; the front end th
 and starts a new one exactly as after a death (async_engine.py).
 
 The timeout, unless set: max(60 s, 20 x the 99th percentile of the recent steps' times). The floor
-covers a long first step on a slow machine (a large prefill on a CPU, a grammar compile) before any
+covers a long first step on a slow machine (a large prefill on a CPU) before any
 step was measured; the margin keeps a slow but healthy step (a burst of long prompts) far from it.
 """
 

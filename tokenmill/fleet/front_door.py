@@ -14,11 +14,11 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenmill.server.app import _PUBLIC_PATHS, _PUBLIC_PREFIXES, BodyLimitMiddleware
+from tokenmill.server.app import BodyLimitMiddleware, is_public
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError, error_response
 from tokenmill.server.files import upload_bytes_limit
-from tokenmill.server.pool.admin import ADMIN_PREFIX
+from tokenmill.server.pool.admin import ADMIN_PREFIX, check_admin_key
 from tokenmill.server.read_deadline import ReadDeadlineMiddleware
 from tokenmill.server.security import ApiKeys, LoginThrottle, authenticate, authorization, client_address
 
@@ -35,7 +35,6 @@ class FrontDoor:
         admin_key = config.models.resolved_admin_key()
         self.admin_keys = ApiKeys([admin_key] if admin_key else [], ())
         self.throttle = LoginThrottle(config.max_failed_logins)
-        self.public = _PUBLIC_PATHS | {"/metrics"} if config.metrics_public else _PUBLIC_PATHS
 
     def admit(self, request: Request, handler: BodyHandler) -> Response:
         """The answer to `request`: the key check's error, else a response that reads the body under
@@ -47,12 +46,14 @@ class FrontDoor:
         """The error the server would answer (401, or 429 while the address is throttled) unless the
         request may go on: a public path, a valid API key, or on /admin/... the admin key."""
         path = request.scope["path"]
-        if path in self.public or path.startswith(_PUBLIC_PREFIXES) or self._preflight(request):
+        if is_public(path, self.config.metrics_public) or self._preflight(request):
             return None
-        keys = self.admin_keys if path.startswith(ADMIN_PREFIX) else self.keys
         try:
-            if keys.enabled:  # without an admin key the replicas answer that the admin API is off
-                authenticate(keys, self.throttle, client_address(request.scope), authorization(request.headers.raw))
+            if path.startswith(ADMIN_PREFIX):
+                check_admin_key(self.admin_keys, self.throttle, request.scope)
+            elif self.keys.enabled:
+                address = client_address(request.scope)
+                authenticate(self.keys, self.throttle, address, authorization(request.headers.raw))
         except APIError as exc:
             return error_response(exc.status, exc.message, exc.code, exc.param, exc.headers, path)
         return None

@@ -53,6 +53,14 @@ logger = logging.getLogger(__name__)
 # The dashboard's page and files hold no data (its data route needs a key); browsers ask for /favicon.ico.
 _PUBLIC_PATHS = frozenset({"/health", "/ready", "/favicon.ico", DASHBOARD_PAGE})
 _PUBLIC_PREFIXES = (DASHBOARD_STATIC,)
+
+
+def is_public(path: str, metrics_public: bool) -> bool:
+    """Whether any client may reach `path` without a key: health, readiness, the dashboard's page and
+    files (they hold no data; the page sends its key for the data), and /metrics with --metrics-public."""
+    return path in _PUBLIC_PATHS or path.startswith(_PUBLIC_PREFIXES) or (metrics_public and path == "/metrics")
+
+
 THROUGHPUT_LOG_INTERVAL_S = 10.0
 
 
@@ -157,7 +165,6 @@ def build_app(state: ServerState) -> FastAPI:
         app.include_router(admin_router(state.models, state.config.models.resolved_admin_key(), state.throttle))
 
     # The last added runs first: keys are checked before any body is read.
-    public = _PUBLIC_PATHS | {"/metrics"} if state.config.metrics_public else _PUBLIC_PATHS
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=state.config.max_body_bytes,
@@ -165,7 +172,7 @@ def build_app(state: ServerState) -> FastAPI:
     )
     if state.config.body_read_timeout_s is not None:  # bounds the body limit's read of the body
         app.add_middleware(ReadDeadlineMiddleware, timeout_s=state.config.body_read_timeout_s)
-    app.add_middleware(AuthMiddleware, state=state, public_paths=public)
+    app.add_middleware(AuthMiddleware, state=state)
     # Outside auth and the body limit, so that their 401s, 429s and 413s are counted too.
     app.add_middleware(ErrorTrackerMiddleware, tracker=dashboard.errors)
     if audit is not None:  # outside auth and the body limit, so that their 401s, 429s and 413s are written too
@@ -204,13 +211,13 @@ async def _send_error(
 class AuthMiddleware:
     """Every route but the public ones needs a valid key; the key's name goes into the scope."""
 
-    def __init__(self, app: ASGIApp, state: ServerState, public_paths: frozenset[str]) -> None:
-        self.app, self.state, self.public = app, state, public_paths
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The admin routes check the admin key themselves.
         path = scope["path"] if scope["type"] == "http" else ""
-        if not path or path in self.public or path.startswith((ADMIN_PREFIX, *_PUBLIC_PREFIXES)):
+        if not path or path.startswith(ADMIN_PREFIX) or is_public(path, self.state.config.metrics_public):
             return await self.app(scope, receive, send)
         try:
             address = client_address(scope)

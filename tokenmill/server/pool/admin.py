@@ -13,6 +13,7 @@ Moving an alias back to the version it left is a rollback: requests already on t
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -40,23 +41,29 @@ class AliasMove(BaseModel):
     unload_previous: bool = False  # drain and unload the version the alias pointed at
 
 
+def check_admin_key(keys: ApiKeys, throttle: LoginThrottle, scope: Mapping[str, Any]) -> None:
+    """Raise the admin API's APIError unless the request carries the admin key (through the same
+    failed-login throttle as the API keys). The server's admin routes and the fleet's ingress use it."""
+    if not keys.enabled:
+        raise APIError(401, f"the admin API is off: start the server with ${ADMIN_KEY_ENV}.", "invalid_admin_key")
+    try:
+        authenticate(keys, throttle, client_address(scope), authorization(scope["headers"]))
+    except APIError as exc:
+        if exc.status != 401:
+            raise
+        raise APIError(
+            401,
+            "missing or wrong admin key: send 'Authorization: Bearer ADMIN_KEY'.",
+            "invalid_admin_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        ) from None
+
+
 def admin_router(pool: ModelPool, admin_key: str | None, throttle: LoginThrottle) -> APIRouter:
     keys = ApiKeys([admin_key] if admin_key is not None else [])
 
     def check_admin(request: Request) -> None:
-        if not keys.enabled:
-            raise APIError(401, f"the admin API is off: start the server with ${ADMIN_KEY_ENV}.", "invalid_admin_key")
-        try:
-            authenticate(keys, throttle, client_address(request.scope), authorization(request.scope["headers"]))
-        except APIError as exc:
-            if exc.status != 401:
-                raise
-            raise APIError(
-                401,
-                "missing or wrong admin key: send 'Authorization: Bearer ADMIN_KEY'.",
-                "invalid_admin_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            ) from None
+        check_admin_key(keys, throttle, request.scope)
 
     router = APIRouter(prefix="/admin", dependencies=[Depends(check_admin)], include_in_schema=False)
 
