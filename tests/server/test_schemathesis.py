@@ -17,7 +17,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import response_schema_conformance, status_code_conformance
 
 from tests.server.conftest import RunningServer, run_server
-from tokenmill.server.config import ServerConfig
+from tokenmill.server.config import PoolConfig, ServerConfig
 
 
 def fuzz_scale() -> int:
@@ -34,13 +34,16 @@ SCALE = fuzz_scale()
 EXAMPLES = {"/v1/completions": 60 * SCALE, "/v1/chat/completions": 60 * SCALE}
 BODY_EXAMPLES, OTHER_EXAMPLES = 10 * SCALE, 5 * SCALE
 MIN_CASES = 200 * SCALE
+ADMIN_KEY = "fuzz-admin-key"  # sent on /admin/ routes, so their bodies are checked rather than refused at the door
 OUTPUT_ENV = "TOKENMILL_FUZZ_OUTPUT"  # where bench/scripts/fuzz_api.sh keeps the result (JSON)
 
 
 @pytest.fixture(scope="module")
 def fuzzed(chat_model: Path) -> Iterator[RunningServer]:
     # Small caps keep every generated request short; the schema's own bounds are the server's.
-    config = ServerConfig(max_tokens=8, max_n=2, max_prompts_per_request=4)
+    # A second model (loaded only if a request names it) makes a pool, so the admin API is served and fuzzed too.
+    pool = PoolConfig(extra_models=(("extra", str(chat_model)),), admin_key=ADMIN_KEY)
+    config = ServerConfig(max_tokens=8, max_n=2, max_prompts_per_request=4, models=pool)
     with run_server(chat_model, config, max_model_len=128) as server:
         yield server
 
@@ -69,7 +72,8 @@ def test_generated_requests_never_get_a_5xx(fuzzed: RunningServer) -> None:
             def run(case: schemathesis.Case) -> None:
                 nonlocal cases
                 cases += 1
-                response = case.call(base_url=fuzzed.url, timeout=30)
+                admin = {"Authorization": f"Bearer {ADMIN_KEY}"} if case.path.startswith("/admin/") else None
+                response = case.call(base_url=fuzzed.url, timeout=30, headers=admin)
                 statuses[f"{case.method.upper()} {case.path}"][response.status_code] += 1
                 if response.status_code >= 500 and not _own_deadline(case, response.status_code):
                     server_errors.append(f"{response.status_code} {response.text[:200]}\n  {case.as_curl_command()}")

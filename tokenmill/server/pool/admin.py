@@ -23,6 +23,7 @@ from tokenmill.registry import RegistryError, UnknownModelError
 from tokenmill.server.audit import note_model
 from tokenmill.server.config import ADMIN_KEY_ENV
 from tokenmill.server.errors import APIError
+from tokenmill.server.openapi_errors import error_responses
 from tokenmill.server.pool.pool import LoadedModel, ModelPool
 from tokenmill.server.security import ApiKeys, LoginThrottle, authenticate, authorization, client_address
 
@@ -65,7 +66,16 @@ def admin_router(pool: ModelPool, admin_key: str | None, throttle: LoginThrottle
     def check_admin(request: Request) -> None:
         check_admin_key(keys, throttle, request.scope)
 
-    router = APIRouter(prefix="/admin", dependencies=[Depends(check_admin)], include_in_schema=False)
+    # In the schema (tagged "admin") so that clients and the schema fuzz know every answer it may send.
+    errors = error_responses(
+        s401="Missing or wrong admin key, or the admin API is off",
+        s404="Unknown model or version",
+        s409="Not loaded, or the pinned default model",
+        s429="Too many failed admin logins (see Retry-After)",
+        s500="The model failed to load (the server's log has the reason)",
+        s503="Shutting down, registry busy, or no room to load",
+    )
+    router = APIRouter(prefix="/admin", dependencies=[Depends(check_admin)], tags=["admin"], responses=errors)
 
     @router.get("/models")
     async def loaded() -> dict[str, Any]:
