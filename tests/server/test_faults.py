@@ -51,13 +51,15 @@ def _run_all(server: RunningServer, count: int) -> list[tuple[int, Any]]:
 def test_a_failing_step_ends_only_its_requests(chat_model: Path) -> None:
     # Two run at a time: the step that raises holds two requests, the other two wait.
     with run_server(chat_model, max_num_seqs=2) as server:
-        runner = server.core.runner
+        core = server.core
+        runner = core.runner
         real_forward = runner._forward  # every step's forward: eager, fused decode stack or CUDA graph
-        calls = {"n": 0}
+        struck = threading.Event()
 
         def flaky_forward(*args: Any, **kwargs: Any) -> Any:
-            calls["n"] += 1
-            if calls["n"] == 5:  # once, mid-generation of the first two
+            # Once, when all four are in (two running, two waiting), so the failing step holds two of them.
+            if not struck.is_set() and len(core.scheduler.requests) >= 4:
+                struck.set()
                 raise RuntimeError("injected fault: out of memory")
             return real_forward(*args, **kwargs)
 
