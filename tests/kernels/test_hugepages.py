@@ -4,6 +4,9 @@ An engine's buffers: tests/e2e/test_hugepages_e2e.py."""
 from __future__ import annotations
 
 import itertools
+import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,3 +46,31 @@ def test_zeros_is_zeroed_with_the_shape_and_dtype_asked() -> None:
     cache = hugepages.zeros((2, 300, 16, 3, 68), torch.int8)
     assert cache.shape == (2, 300, 16, 3, 68) and cache.dtype == torch.int8 and cache.is_contiguous()
     assert not cache.any()
+
+
+def _mapping_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds `address` (Rss, VmFlags, ...)."""
+    fields: dict[str, str] = {}
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if span := re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line):
+            if inside:
+                break
+            inside = int(span[1], 16) <= address < int(span[2], 16)
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_zeros_touches_no_page_until_written_and_asks_for_huge_pages() -> None:
+    """A KV cache of gigabytes costs nothing to allocate: the kernel zero-fills its pages on first touch."""
+    cache = hugepages.zeros((2, 256, 16, 8, 64), torch.bfloat16)  # 64 MiB
+    mapping = _mapping_of(cache.data_ptr())
+    assert mapping["Rss"] == "0 kB"
+    if hugepages._madvise() is not None:
+        assert "hg" in mapping["VmFlags"].split()  # MADV_HUGEPAGE, asked before the first touch
+    assert not cache.any()
+    cache[1, 255].fill_(1.0)  # written: still the buffer's own memory, still all zeros elsewhere
+    assert int(cache.count_nonzero()) == 16 * 8 * 64

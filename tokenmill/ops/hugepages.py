@@ -4,9 +4,13 @@ A CPU decode step reads every packed weight once and the KV cache blocks of ever
 pages a 134 MB model spans ~33,000 pages, each a TLB miss, and the hardware prefetchers stop at page
 boundaries; cache blocks lie anywhere in a pool of gigabytes, so nearly every block read misses the
 TLB. Where the kernel's huge pages are "madvise" (Debian's default), memory gets them only when asked
-before it is first touched: `huge_empty` asks (madvise MADV_HUGEPAGE) for a 2 MiB-aligned range, and
-elsewhere is torch.empty. The KV cache (`zeros`) and the packed weights (`gather`: one buffer, in the
-order a decode step reads them) live there.
+before it is first touched: `huge_empty` asks (madvise MADV_HUGEPAGE) for a 2 MiB-aligned range. The KV
+cache (`zeros`) and the packed weights (`gather`: one buffer, in the order a decode step reads them)
+live there.
+
+The buffers are fresh anonymous mappings, which the kernel zero-fills a page at a time when first
+touched: a KV cache of gigabytes costs nothing to allocate, and only the blocks a request writes ever
+become resident.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import ctypes
 import functools
 import logging
 import math
+import mmap
 import sys
 from collections.abc import Callable
 
@@ -45,22 +50,25 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 
 
 def huge_empty(nbytes: int) -> torch.Tensor:
-    """An uninitialized [nbytes] uint8 CPU tensor, on huge pages where the OS gives them: the whole
-    2 MiB pages inside it are asked for before anything touches them."""
+    """A [nbytes] uint8 CPU tensor of zeros whose pages nothing has touched yet, on huge pages where
+    the OS gives them: the whole 2 MiB pages inside it are asked for before the first touch."""
+    if nbytes < PAGE or not hasattr(mmap, "MAP_ANONYMOUS"):  # small: the heap's; Windows: no flags
+        return torch.zeros(nbytes, dtype=torch.uint8)
     madvise = _madvise()
-    if madvise is None or nbytes < PAGE:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    length = (nbytes + PAGE - 1) // PAGE * PAGE  # whole pages, all inside `raw` wherever it starts
-    raw = torch.empty(length + PAGE, dtype=torch.uint8)  # torch.empty leaves the pages untouched
+    length = (nbytes + PAGE - 1) // PAGE * PAGE  # whole pages, all inside the mapping wherever it starts
+    # Private: a shared anonymous mapping is shmem, which gets huge pages under other rules.
+    mapping = mmap.mmap(-1, length + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps `mapping` alive; unmapped with the last view
     start = -raw.data_ptr() % PAGE
-    if madvise(raw.data_ptr() + start, length, _MADV_HUGEPAGE) != 0:
+    if madvise is not None and madvise(raw.data_ptr() + start, length, _MADV_HUGEPAGE) != 0:
         logger.debug("madvise(MADV_HUGEPAGE) failed (errno %d): 4 KiB pages", ctypes.get_errno())
     return raw[start : start + nbytes]  # a view: keeps `raw` alive
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor on huge pages where the OS gives them (see huge_empty)."""
-    return huge_empty(math.prod(shape) * dtype.itemsize).view(dtype).view(shape).zero_()
+    """A zeroed CPU tensor on huge pages where the OS gives them (see huge_empty); its pages become
+    resident only as they are written."""
+    return huge_empty(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
 
 def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -156,8 +156,8 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One [2, num_blocks, block_size, Hkv, D] tensor per layer (D + 4 columns in int8: the scales),
         bound to its attention module (the backend decides the order within a block: see
-        attention/pair_layout.py). Zeroed: padded context slots are masked, but must never hold NaN
-        (0 * NaN = NaN)."""
+        attention/pair_layout.py). Zeroed (on CPU by the kernel, a page at its first touch: ops/hugepages.py):
+        padded context slots are masked, but must never hold NaN (0 * NaN = NaN)."""
         dtype = getattr(torch, self.config.cache.kv_cache_dtype)
         self.kv_caches = []
         self.cuda_graphs = None  # captured graphs read the old cache in place
