@@ -12,6 +12,7 @@ from torch import nn
 
 from tokenmill.distributed.communication import all_gather_last, all_reduce_
 from tokenmill.distributed.parallel_state import tp_rank, tp_world_size
+from tokenmill.models.layers.linear import Linear
 
 
 def vocab_shard(vocab_size: int) -> tuple[int, int]:
@@ -38,6 +39,9 @@ class VocabParallelEmbedding(nn.Embedding):
         super().__init__(per_rank, hidden_size)
         self.parallel = tp_world_size() > 1
 
+    def reset_parameters(self) -> None:
+        """No random init (see Linear.reset_parameters)."""
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
         if not self.parallel:
             return F.embedding(input_ids, self.weight)
@@ -51,13 +55,13 @@ class VocabParallelEmbedding(nn.Embedding):
         load_vocab_rows(param, loaded, self.vocab_size, self.vocab_start)
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(Linear):
     """This rank's rows of the [vocab, hidden] head; `gather_logits` joins the ranks' columns."""
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.vocab_start, per_rank = vocab_shard(vocab_size)
-        super().__init__(hidden_size, per_rank, bias=False)
+        super().__init__(hidden_size, per_rank)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None) -> None:
         load_vocab_rows(param, loaded, self.vocab_size, self.vocab_start)

@@ -45,6 +45,10 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
 
+    def reset_parameters(self) -> None:
+        """No random init: every weight comes from the checkpoint (or loader/dummy.py), and an init on
+        the meta device still runs torch's reference ops (the first one imports torch._dynamo)."""
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None) -> None:
         default_weight_loader(param, loaded, shard_id)
 
