@@ -14,6 +14,8 @@ from tokenmill.settings import setting
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from tokenmill.loader.hf_config import HFConfig
+
 SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -22,7 +24,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 @dataclass(frozen=True)
 class ModelConfig:
     model: str  # a local HF folder, a .gguf file, or a preset name (with load_format="dummy")
-    hf_config: PretrainedConfig
+    hf_config: HFConfig | PretrainedConfig  # HFConfig from the model source; transformers' own works too
     dtype: str  # the arithmetic and KV cache dtype: "bfloat16" | "float32" | "float16"
     max_model_len: int
     load_format: str = "auto"
@@ -172,7 +174,7 @@ class ParallelConfig:
                 f"use one of {DISTRIBUTED_EXECUTOR_BACKENDS}."
             )
 
-    def check_model(self, hf_config: PretrainedConfig) -> None:
+    def check_model(self, hf_config: HFConfig | PretrainedConfig) -> None:
         """Raise a ValueError unless the model's heads split evenly over the ranks."""
         n = self.tensor_parallel_size
         num_heads = int(hf_config.num_attention_heads)

@@ -18,7 +18,6 @@ from gguf import GGUFReader
 from gguf.gguf_reader import ReaderTensor
 from safetensors import safe_open
 
-from tokenmill.loader import default_model
 from tokenmill.loader import gguf as gguf_loader
 from tokenmill.loader.default_model import default_model_path, find_default_gguf
 from tokenmill.loader.gguf import gguf_to_hf_folder, unpermute_rope_rows
@@ -123,7 +122,7 @@ def test_default_model_path_reuses_the_converted_folder(model_dir: Path, monkeyp
     def convert_again(*args: object, **kwargs: object) -> Path:
         raise AssertionError("default_model_path converted a second time")
 
-    monkeypatch.setattr(default_model, "gguf_to_hf_folder", convert_again)
+    monkeypatch.setattr(gguf_loader, "gguf_to_hf_folder", convert_again)
     assert default_model_path() == model_dir
 
 

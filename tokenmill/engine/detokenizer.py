@@ -12,9 +12,10 @@ until a later token completes it.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Prompt tokens decoded as context for the first output token, so it gets its leading space right.
 _PROMPT_CONTEXT_TOKENS = 5

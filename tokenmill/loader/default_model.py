@@ -21,10 +21,6 @@ from contextlib import contextmanager
 from importlib.util import find_spec
 from pathlib import Path
 
-import torch
-
-from tokenmill.loader.gguf import gguf_to_hf_folder
-
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -74,6 +70,11 @@ def default_model_path() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(target.parent / f".{DEFAULT_MODEL_NAME}.lock"):
         if not _is_complete(target):  # another process may have finished while we waited
+            import torch
+
+            # Imported only to convert: gguf and transformers take most of a second to import.
+            from tokenmill.loader.gguf import gguf_to_hf_folder
+
             _remove_leftovers(target)
             gguf_to_hf_folder(gguf_path, target, dtype=torch.bfloat16)
     _add_model_card_sampling(target)

@@ -25,8 +25,6 @@ import torch
 from gguf import GGUFReader
 from gguf.gguf_reader import ReaderTensor
 from safetensors.torch import save_file
-from tokenizers import pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from tokenmill.loader.gguf_arch import (
     expected_names,
@@ -155,6 +153,8 @@ def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _write_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path, max_length: int) -> None:
+    from tokenizers import pre_tokenizers  # imported here: serving a GGUF's weights needs no tokenizer library
+
     pre = field(reader, "tokenizer.ggml.pre", "default")
     chat_template = field(reader, "tokenizer.chat_template", "")
     tokenizer = _gguf_tokenizer(gguf_path)
@@ -183,6 +183,8 @@ def _gguf_tokenizer(gguf_path: Path) -> Any:
     """transformers' tokenizer of the file: AutoTokenizer's class where transformers reads the file's
     architecture (it picks the class by the model config), else the plain fast tokenizer built from the
     same tokenizer metadata (OLMo 2, GraniteMoe, ... whose GGUF configs transformers does not read)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
         return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)

@@ -11,15 +11,6 @@ import torch
 from safetensors import safe_open
 
 
-def load_hf_config(path: str | Path) -> Any:
-    from transformers import AutoConfig
-
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"{folder} is not a model folder: config.json is missing.")
-    return AutoConfig.from_pretrained(str(folder))
-
-
 def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():

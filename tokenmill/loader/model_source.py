@@ -11,8 +11,8 @@ from typing import Any
 
 from tokenmill.loader import hf
 from tokenmill.loader.default_model import cache_dir, default_model_path, find_default_gguf
-from tokenmill.loader.gguf import gguf_to_hf_folder
-from tokenmill.loader.presets import PRESETS, preset_config
+from tokenmill.loader.hf_config import HFConfig, config_for_model, load_hf_config
+from tokenmill.loader.presets import PRESETS
 from tokenmill.ops.build import cpu_has_avx512_bf16
 
 logger = logging.getLogger(__name__)
@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ModelSource:
     folder: Path | None  # None for a dummy preset
-    hf_config: Any
+    hf_config: HFConfig
     tokenizer: str | None
     eos_token_ids: list[int]
     # quantization="gguf": the .gguf file the weights are served from as they are quantized (the
@@ -36,6 +36,8 @@ def _gguf_folder(path: Path, weights: bool = True) -> Path:
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     folder = cache_dir() / "gguf" / f"{path.stem}-{key}{'' if weights else '-config'}"
     if not (folder / "config.json").is_file():
+        from tokenmill.loader.gguf import gguf_to_hf_folder  # gguf and transformers: only to convert
+
         gguf_to_hf_folder(path, folder, weights=weights)
     return folder
 
@@ -51,7 +53,7 @@ def resolve_source(model: str | None, load_format: str, quantization: str | None
     if model is None:
         model = str(default_model_path())
     if load_format == "dummy" and model in PRESETS:
-        cfg = preset_config(model)
+        cfg = config_for_model(PRESETS[model])
         return ModelSource(None, cfg, None, hf.eos_token_ids("/nonexistent", cfg))
     path = Path(model).expanduser()
     if not path.exists():
@@ -78,7 +80,7 @@ def _native_gguf_source(model: str | None, load_format: str) -> ModelSource:
 
 
 def _folder_source(path: Path) -> ModelSource:
-    cfg = hf.load_hf_config(path)
+    cfg = load_hf_config(path)
     tokenizer = str(path) if hf.has_tokenizer(path) else None
     return ModelSource(path, cfg, tokenizer, hf.eos_token_ids(path, cfg))
 

@@ -1,0 +1,138 @@
+"""A model's Hugging Face config as plain attributes, resolved by transformers once and then read from a cache.
+
+Usage::
+
+    from tokenmill.loader.hf_config import load_hf_config
+    cfg = load_hf_config("/models/SmolLM2")  # cfg.hidden_size, cfg.rope_parameters, ... as AutoConfig gives them
+
+transformers' config classes fill in each family's defaults and rewrite older layouts (rope_scaling into
+rope_parameters, ...), so they stay the one source of those rules; but importing one costs about a second
+(transformers 5's config modules pull in torch.distributed.tensor and torch._dynamo). The first load of a
+config.json runs AutoConfig and stores the resolved values in ``$TOKENMILL_CACHE/hf_configs/``, keyed by the
+file's bytes and the transformers version; later loads, and the engine process that receives the config,
+import no transformers at all.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.metadata
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenmill.loader.default_model import cache_dir
+
+logger = logging.getLogger(__name__)
+
+# Properties transformers computes from stored values; to_dict() leaves them out, but callers read them.
+_PROPERTIES = ("name_or_path", "num_labels", "rope_scaling")
+
+
+class HFConfig:
+    """The resolved config's values as attributes; a missing one raises AttributeError, as on transformers'
+    config, so ``getattr(cfg, name, default)`` behaves the same on both."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.__dict__.update(values)
+
+    def __getattr__(self, name: str) -> Any:  # only called for names that are not set
+        raise AttributeError(f"the model's config has no {name!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        return f"HFConfig({self.__dict__!r})"
+
+
+def load_hf_config(path: str | Path) -> HFConfig:
+    """The config of the HF folder at ``path``, with every default transformers' class for it fills in."""
+    folder = Path(path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{folder} is not a model folder: config.json is missing.")
+
+    def resolve() -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(folder))
+
+    # The path as given is part of the result (name_or_path), so it is part of the key too.
+    return _cached(f"{folder}\0".encode() + config_file.read_bytes(), resolve)
+
+
+def config_for_model(values: dict[str, Any]) -> HFConfig:
+    """`AutoConfig.for_model(model_type, **rest)` of ``values``, flattened and cached like load_hf_config."""
+
+    def resolve() -> Any:
+        from transformers import AutoConfig
+
+        rest = dict(values)
+        return AutoConfig.for_model(rest.pop("model_type"), **rest)
+
+    return _cached(repr(sorted(values.items())).encode(), resolve)
+
+
+def _cached(source: bytes, resolve: Callable[[], Any]) -> HFConfig:
+    version = importlib.metadata.version("transformers")
+    key = hashlib.sha256(version.encode() + b"\0" + source).hexdigest()[:32]
+    path = cache_dir() / "hf_configs" / f"{key}.txt"
+    if path.is_file():
+        return HFConfig(_decode(path.read_text()))
+    values = flatten(resolve())
+    _store(path, values)
+    return HFConfig(values)
+
+
+def flatten(config: Any) -> dict[str, Any]:
+    """A transformers config's values (with its attribute_map aliases and computed properties) as builtins."""
+    # to_dict() names every stored value, but writes some differently (the dtype as its name, the running
+    # transformers version), so the values are read as attributes.
+    names = [*config.to_dict(), *config.attribute_map, *_PROPERTIES]
+    return {name: getattr(config, name) for name in names if hasattr(config, name)}
+
+
+def _encode(values: dict[str, Any]) -> str:
+    dtype = values.get("dtype")
+    return repr({**values, "dtype": str(dtype).removeprefix("torch.")} if dtype is not None else values)
+
+
+def _decode(text: str) -> dict[str, Any]:
+    values: dict[str, Any] = ast.literal_eval(text)  # literals only: int keys and tuples survive, no code runs
+    return _with_torch_dtype(values)
+
+
+def _with_torch_dtype(values: dict[str, Any]) -> dict[str, Any]:
+    # transformers' config holds the checkpoint's dtype as a torch.dtype, and to_dict() writes its name.
+    dtype = getattr(torch, str(values.get("dtype")), None)
+    return {**values, "dtype": dtype} if isinstance(dtype, torch.dtype) else values
+
+
+def _store(path: Path, values: dict[str, Any]) -> None:
+    """Write the cache entry atomically; a value that would not read back the same (a nested config object,
+    nan) or a read-only cache leaves it unwritten, and the next start resolves the config again."""
+    text = _encode(values)
+    try:
+        if _decode(text) != values:
+            logger.debug("not caching a config whose values do not round-trip: %s", path.name)
+            return
+    except (ValueError, SyntaxError):
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+        try:
+            with os.fdopen(handle, "w") as out:
+                out.write(text)
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    except OSError as exc:
+        logger.warning("cannot cache the resolved model config in %s: %s", path.parent, exc)
