@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -15,7 +15,6 @@ from tokenmill.config import ModelConfig
 from tokenmill.distributed.parallel_state import tp_world_size
 from tokenmill.loader import hf
 from tokenmill.loader.dummy import init_dummy_weights
-from tokenmill.loader.gguf_weights import GGUFWeights
 from tokenmill.models.architectures import model_class
 from tokenmill.models.layers.moe import FusedExperts
 from tokenmill.models.layers.rotary import RotaryEmbedding
@@ -31,24 +30,65 @@ from tokenmill.quant import (
     pack_fp32_weights,
     quantize_model,
 )
-from tokenmill.worker.gguf_native import attach_gguf_linears
+from tokenmill.worker import packed_cache
 from tokenmill.worker.model_interface import LoadsWeights
+
+if TYPE_CHECKING:
+    from tokenmill.loader.gguf_weights import GGUFWeights
 
 
 def load_model(config: ModelConfig, folder: Path | None, backend: AttentionBackend, device: str) -> nn.Module:
-    dtype = getattr(torch, config.dtype)
+    cache = _cache_file(config, folder, device)
+    cached = packed_cache.read(cache) if cache is not None else None
+    if cached is not None:
+        model = _build(config, backend, device)
+        if packed_cache.restore(model, cached):
+            place_packed_weights(model)
+            return model.eval()
+    model = _build(config, backend, device)
+    _fill(model, config, folder, device)
+    if device == "cpu":
+        pack_experts(model, config)
+        place_packed_weights(model)
+    if cache is not None:
+        packed_cache.write(cache, model)
+    return model.eval()
+
+
+def _cache_file(config: ModelConfig, folder: Path | None, device: str) -> Path | None:
+    """Where the packed CPU weights are cached (worker/packed_cache.py); None where they are not: on
+    other devices, under tensor parallelism (each rank packs its shard) and for a .gguf file's blocks."""
+    if device != "cpu" or tp_world_size() > 1 or config.quantization == "gguf":
+        return None
+    return packed_cache.cache_file(config, folder)
+
+
+def _build(config: ModelConfig, backend: AttentionBackend, device: str) -> nn.Module:
+    """The model on the meta device, its rotary tables computed on `device`."""
     cls = model_class(config.hf_config)
     with torch.device("meta"):
         model = cls(config.hf_config, backend, config.max_model_len)
-    model = model.to(dtype)
-    # --quantization gguf: the file's quantized layers are built from its blocks before anything is
-    # allocated, so their float expansion never is; the rest loads as float below.
-    gguf = GGUFWeights(config.model) if config.quantization == "gguf" else None
-    served_natively = attach_gguf_linears(model, gguf, device) if gguf is not None else set()
-    materialize(model, device)
+    model = model.to(getattr(torch, config.dtype))
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_buffers(torch.device(device))
+    return model
+
+
+def _fill(model: nn.Module, config: ModelConfig, folder: Path | None, device: str) -> None:
+    """Allocate the meta model's tensors, load (or draw) its weights, then round, quantize or pack the
+    linear layers for the kernels that run them."""
+    # --quantization gguf: the file's quantized layers are built from its blocks before anything is
+    # allocated, so their float expansion never is; the rest loads as float below.
+    gguf: GGUFWeights | None = None
+    served_natively: set[str] = set()
+    if config.quantization == "gguf":  # imported here: the gguf package is slow to import
+        from tokenmill.loader.gguf_weights import GGUFWeights
+        from tokenmill.worker.gguf_native import attach_gguf_linears
+
+        gguf = GGUFWeights(config.model)
+        served_natively = attach_gguf_linears(model, gguf, device)
+    materialize(model, device)
     if config.load_format == "dummy" or folder is None:
         init_dummy_weights(model, config.seed)
     else:
@@ -70,10 +110,6 @@ def load_model(config: ModelConfig, folder: Path | None, backend: AttentionBacke
     elif config.dtype == "float32" and config.weight_dtype is None and device == "cpu":
         if packed_gemm.isa() == "avx2":  # a decode batch at the FMA peak (see Fp32Linear); the same arithmetic
             pack_fp32_weights(model)
-    if device == "cpu":
-        pack_experts(model, config)
-        place_packed_weights(model)
-    return model.eval()
 
 
 def pack_experts(model: nn.Module, config: ModelConfig) -> None:

@@ -1,0 +1,82 @@
+"""The packed-weight cache (tokenmill/worker/packed_cache.py): a second load of the same model reads the
+packed weights from disk instead of loading and packing the checkpoint, and generates the same tokens."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.tiny_models import make_tiny_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.ops import packed_gemm
+from tokenmill.worker import model_loader
+from tokenmill.worker.packed_cache import FOLDER
+
+pytestmark = pytest.mark.skipif(not packed_gemm.available(), reason="nothing is packed without the C++ GEMM")
+
+PROMPT = {"prompt_token_ids": [5, 9, 13, 2, 7]}
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    return make_tiny_model(tmp_path / "llama", "llama")
+
+
+@pytest.fixture
+def cold_loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Counts the loads that read and pack the checkpoint (cache misses)."""
+    calls: list[str] = []
+    fill = model_loader._fill
+
+    def counted(model: Any, config: Any, *args: Any) -> None:
+        calls.append(config.model)
+        fill(model, config, *args)
+
+    monkeypatch.setattr(model_loader, "_fill", counted)
+    return calls
+
+
+def greedy(folder: Path, quantization: str | None = None) -> list[int]:
+    llm = LLM(str(folder), dtype="bfloat16", quantization=quantization, max_num_seqs=4, num_kv_blocks=32)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
+
+
+def cache_files(folder: Path) -> list[Path]:
+    return sorted((folder / FOLDER).glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_second_load_reads_the_cache_and_generates_the_same_tokens(
+    folder: Path, cold_loads: list[str], quantization: str | None
+) -> None:
+    first = greedy(folder, quantization)
+    assert len(cold_loads) == 1 and len(cache_files(folder)) == 1
+    assert greedy(folder, quantization) == first
+    assert len(cold_loads) == 1  # the second load packed nothing
+
+
+def test_changed_weights_or_settings_miss_the_cache(folder: Path, cold_loads: list[str]) -> None:
+    greedy(folder)
+    weights = folder / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # a rewritten checkpoint
+    greedy(folder)
+    greedy(folder, "int8")
+    assert len(cold_loads) == 3 and len(cache_files(folder)) == 3
+
+
+def test_a_damaged_cache_file_is_ignored_and_rewritten(folder: Path, cold_loads: list[str]) -> None:
+    expected = greedy(folder)
+    (cached,) = cache_files(folder)
+    size = cached.stat().st_size
+    with cached.open("r+b") as f:  # a partial file: what a killed writer could leave without the rename
+        f.truncate(size // 2)
+    assert greedy(folder) == expected
+    assert len(cold_loads) == 2 and cache_files(folder) == [cached] and cached.stat().st_size == size
+    cached.write_bytes(b"not a safetensors file")
+    assert greedy(folder) == expected
+    assert len(cold_loads) == 3 and cached.stat().st_size == size
