@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from tests.tiny_models import TINY
+from tests.tiny_models import TINY, make_tiny_tokenizer
 from tokenmill.loader.hf_config import load_hf_config
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("transformers", "gguf", "fastapi", "uvicorn", "jinja2", "prometheus_client")
 
 
-def _imported_after(code: str, stdin: bytes = b"") -> list[str]:
-    """The HEAVY libraries in sys.modules after a fresh interpreter runs `code`."""
-    report = f"\nimport sys\nprint(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
+def _imported_after(code: str, stdin: bytes = b"", watched: tuple[str, ...] = HEAVY) -> list[str]:
+    """The `watched` modules in sys.modules after a fresh interpreter runs `code`."""
+    report = f"\nimport sys\nprint(' '.join(m for m in {watched!r} if m in sys.modules))"
     done = subprocess.run(
         [sys.executable, "-c", code + report], input=stdin, cwd=REPO, capture_output=True, check=True, timeout=120
     )
@@ -41,3 +41,12 @@ def test_the_engine_process_receives_its_model_config_without_transformers(
     config = pickle.dumps(load_hf_config(tmp_path / "model"))
     code = "import pickle, sys\nimport tokenmill.engine.core_client\nconfig = pickle.loads(sys.stdin.buffer.read())"
     assert _imported_after(code, stdin=config) == []
+
+
+def test_loading_a_tokenizer_imports_no_model_config_class(tmp_path: Path) -> None:
+    # transformers 5's config classes import torch.distributed.tensor and torch._dynamo (about a second).
+    AutoConfig.for_model("llama", **TINY).save_pretrained(tmp_path)
+    make_tiny_tokenizer().save_pretrained(tmp_path)
+    code = f"from tokenmill.loader.hf import load_tokenizer\nload_tokenizer({str(tmp_path)!r})"
+    config_modules = ("transformers.models.llama.configuration_llama", "torch.distributed.tensor")
+    assert _imported_after(code, watched=config_modules) == []

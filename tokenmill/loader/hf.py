@@ -51,4 +51,29 @@ def has_tokenizer(folder: str | Path) -> bool:
 def load_tokenizer(folder: str | Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder))
+    config = _tokenizer_model_config(Path(folder))
+    return AutoTokenizer.from_pretrained(str(folder), **({"config": config} if config is not None else {}))
+
+
+def _tokenizer_model_config(folder: Path) -> Any | None:
+    """The model config AutoTokenizer reads, as transformers' generic class, where the tokenizer names its own
+    class: AutoTokenizer then reads only the config's plain fields (model_type, ...), and the family's config
+    class costs a second to import (see hf_config.py). None (AutoTokenizer loads it) where it picks the class
+    by the config's type or may run the model's own code."""
+    from transformers import PreTrainedConfig
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    if not (folder / "tokenizer_config.json").is_file() or not (folder / "config.json").is_file():
+        return None
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    declared = tokenizer_config.get("tokenizer_class")
+    if not isinstance(declared, str) or "auto_map" in tokenizer_config:
+        return None
+    name = declared.removesuffix("Fast")  # AutoTokenizer looks the class up by both names
+    if tokenizer_class_from_name(name) is None and tokenizer_class_from_name(f"{name}Fast") is None:
+        return None
+    config = PreTrainedConfig.from_pretrained(str(folder))
+    if getattr(config, "auto_map", None):
+        return None
+    config.name_or_path = str(folder)  # as AutoConfig sets it: AutoTokenizer matches it against hub ids
+    return config
