@@ -12,6 +12,7 @@ import pytest
 from tests.tiny_models import make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.ops import packed_gemm
+from tokenmill.quant import Int8Linear, PackedFloatLinear
 from tokenmill.worker import model_loader
 from tokenmill.worker.packed_cache import FOLDER
 
@@ -39,8 +40,12 @@ def cold_loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
-def greedy(folder: Path, quantization: str | None = None) -> list[int]:
-    llm = LLM(str(folder), dtype="bfloat16", quantization=quantization, max_num_seqs=4, num_kv_blocks=32)
+def engine(folder: Path, quantization: str | None = None) -> LLM:
+    return LLM(str(folder), dtype="bfloat16", quantization=quantization, max_num_seqs=4, num_kv_blocks=32)
+
+
+def greedy(folder: Path, quantization: str | None = None, llm: LLM | None = None) -> list[int]:
+    llm = llm or engine(folder, quantization)
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     return list(out[0].outputs[0].token_ids)
 
@@ -55,8 +60,16 @@ def test_a_second_load_reads_the_cache_and_generates_the_same_tokens(
 ) -> None:
     first = greedy(folder, quantization)
     assert len(cold_loads) == 1 and len(cache_files(folder)) == 1
-    assert greedy(folder, quantization) == first
+    warm = engine(folder, quantization)
+    assert greedy(folder, llm=warm) == first
     assert len(cold_loads) == 1  # the second load packed nothing
+    # Read into one huge-page arena in the order a decode step reads the layers, as a cold load lays them.
+    model = warm.engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, (PackedFloatLinear, Int8Linear))]
+    packed = [b for m in layers for b in m.buffers(recurse=False)]
+    assert len(layers) == 4 * len(model.layers) + 1  # qkv, o, gate_up, down per layer, and the head
+    assert len({t.untyped_storage().data_ptr() for t in packed}) == 1
+    assert [t.data_ptr() for t in packed] == sorted(t.data_ptr() for t in packed)
 
 
 def test_changed_weights_or_settings_miss_the_cache(folder: Path, cold_loads: list[str]) -> None:

@@ -71,17 +71,22 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return huge_empty(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
 
-def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of `tensors` (same shapes and dtypes, contiguous) laid out one after another, each
-    64-byte aligned, in one huge-page buffer; the buffer lives as long as any of them."""
+def arena(sizes: list[int]) -> list[torch.Tensor]:
+    """[size] uint8 slots laid out one after another, each 64-byte aligned, in one huge-page buffer (see
+    huge_empty); the buffer lives as long as any of them."""
     offsets, total = [], 0
-    for t in tensors:
+    for size in sizes:
         offsets.append(total)
-        total += (t.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    arena = huge_empty(total)
+        total += (size + _ALIGN - 1) // _ALIGN * _ALIGN
+    buffer = huge_empty(total)
+    return [buffer[offset : offset + size] for offset, size in zip(offsets, sizes)]
+
+
+def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` (same shapes and dtypes, contiguous) in one arena, in the order given."""
     copies = []
-    for t, offset in zip(tensors, offsets):
-        copy = arena[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+    for t, slot in zip(tensors, arena([t.nbytes for t in tensors])):
+        copy = slot.view(t.dtype).view(t.shape)
         copy.copy_(t)
         copies.append(copy)
     return copies

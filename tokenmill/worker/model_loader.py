@@ -42,8 +42,7 @@ def load_model(config: ModelConfig, folder: Path | None, backend: AttentionBacke
     cached = packed_cache.read(cache) if cache is not None else None
     if cached is not None:
         model = _build(config, backend, device)
-        if packed_cache.restore(model, cached):
-            place_packed_weights(model)
+        if packed_cache.restore(model, cached):  # the packed tensors were read into their arena
             return model.eval()
     model = _build(config, backend, device)
     _fill(model, config, folder, device)
@@ -51,7 +50,7 @@ def load_model(config: ModelConfig, folder: Path | None, backend: AttentionBacke
         pack_experts(model, config)
         place_packed_weights(model)
     if cache is not None:
-        packed_cache.write(cache, model)
+        packed_cache.write(cache, model, [f"{path}.{name}" for path, _, name in _packed_buffers(model)])
     return model.eval()
 
 
@@ -150,18 +149,23 @@ def materialize(model: nn.Module, device: str) -> None:
 def place_packed_weights(model: nn.Module) -> None:
     """Move the packed linear layers' tensors into one huge-page buffer (see tokenmill/ops/hugepages.py),
     in module order: the order a decode step reads them."""
-    owners = [
-        (module, name)
-        for module in model.modules()
+    owners = _packed_buffers(model)
+    if not owners:
+        return
+    copies = hugepages.gather([getattr(module, name) for _, module, name in owners])
+    for (_, module, name), copy in zip(owners, copies):
+        setattr(module, name, copy)
+
+
+def _packed_buffers(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(module path, module, buffer name) of the packed layers' CPU tensors, in module order."""
+    return [
+        (path, module, name)
+        for path, module in model.named_modules()
         if isinstance(module, (PackedFloatLinear, Int8Linear, GroupedLinear, PackedExperts))
         for name, buffer in module.named_buffers(recurse=False)
         if buffer.device.type == "cpu"
     ]
-    if not owners:
-        return
-    copies = hugepages.gather([getattr(module, name) for module, name in owners])
-    for (module, name), copy in zip(owners, copies):
-        setattr(module, name, copy)
 
 
 @torch.no_grad()

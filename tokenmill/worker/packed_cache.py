@@ -7,9 +7,11 @@ folder is read-only and for dummy weights. The file's name is a hash of everythi
 depend on: the weight files (name, size, mtime, inode), the model's config and load settings, the
 instruction set the kernels were built for, and the source of the code that loads and packs. Its
 header records each packed module (class and plain attributes), so a hit rebuilds them as shells
-around the file's tensors, mmapped, and runs no packing code. A file that cannot be read or does not
-fit the model is ignored and rewritten; files are written under a temporary name and renamed, so no
-reader sees a partial one. Each folder keeps its MAX_FILES most recently used files."""
+around the file's tensors and runs no packing code; the packed layers' tensors are read straight into
+one huge-page arena, in the order a decode step reads them (as hugepages.gather lays them out). A file
+that cannot be read or does not fit the model is ignored and rewritten; files are written under a
+temporary name and renamed, so no reader sees a partial one. Each folder keeps its MAX_FILES most
+recently used files."""
 
 from __future__ import annotations
 
@@ -18,12 +20,12 @@ import hashlib
 import json
 import logging
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -32,6 +34,7 @@ from tokenmill.loader.default_model import cache_dir
 from tokenmill.loader.hf import safetensors_files
 from tokenmill.ops import moe, packed_gemm
 from tokenmill.quant import Bf16Linear, Fp32Linear, GroupedLinear, Int4Linear, Int8Linear, PackedExperts
+from tokenmill.worker import packed_file
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ _SHELLS: dict[str, type[nn.Module]] = {
 
 @dataclass(frozen=True)
 class CachedWeights:
-    tensors: dict[str, torch.Tensor]  # the state dict, mmapped (copy-on-write)
+    tensors: dict[str, torch.Tensor]  # the state dict, read into huge-page memory
     modules: dict[str, dict[str, Any]]  # path -> {"class", "attrs", "buffers"} of each packed module
 
 
@@ -69,14 +72,14 @@ def cache_file(config: ModelConfig, folder: Path | None) -> Path:
 
 
 def read(path: Path) -> CachedWeights | None:
-    """The file's tensors and modules, or None when it is missing or unreadable (logged: rewritten)."""
+    """The file's tensors (in huge-page memory) and modules, or None when it is missing or damaged
+    (logged: it is rewritten)."""
     if not path.is_file():
         return None
     try:
-        with safe_open(str(path), framework="pt") as f:
-            modules = json.loads((f.metadata() or {})["modules"], object_hook=_tuples)
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except Exception as e:  # any damage (truncated, bad header, not safetensors) means: rebuild it
+        tensors, metadata = packed_file.read(path)
+        modules = json.loads(metadata["modules"], object_hook=_tuples)
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:  # truncated, bad header, ...
         logger.warning("ignoring the packed-weight cache %s (%s): it is rewritten", path, e)
         return None
     os.utime(path)  # recently used: kept by the next write's clean-up
@@ -98,16 +101,18 @@ def restore(model: nn.Module, cached: CachedWeights) -> bool:
     return True
 
 
-def write(path: Path, model: nn.Module) -> None:
-    """Store `model`'s state and packed modules at `path` (a model with nothing packed is not stored)."""
+def write(path: Path, model: nn.Module, arena: list[str]) -> None:
+    """Store `model`'s state and packed modules at `path` (a model with nothing packed is not stored);
+    `arena`: the names of the tensors a hit reads into one huge-page arena, in its order."""
     modules = {p: _module_spec(m) for p, m in model.named_modules() if type(m).__name__ in _SHELLS}
     if not modules or any(spec is None for spec in modules.values()):
         return
     tensors = {name: t.contiguous() for name, t in model.state_dict().items()}
+    metadata = {"modules": json.dumps(_tagged(modules)), packed_file.ARENA: json.dumps(arena)}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(tmp), metadata={"modules": json.dumps(_tagged(modules))})
+        save_file(tensors, str(tmp), metadata=metadata)
         os.replace(tmp, path)
     except (OSError, RuntimeError, ValueError) as e:  # a full disk or shared tensors: load cold next time
         logger.warning("could not write the packed-weight cache %s (%s)", path, e)
