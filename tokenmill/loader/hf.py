@@ -72,8 +72,8 @@ def _tokenizer_model_config(folder: Path) -> Any | None:
     name = declared.removesuffix("Fast")  # AutoTokenizer looks the class up by both names
     if tokenizer_class_from_name(name) is None and tokenizer_class_from_name(f"{name}Fast") is None:
         return None
-    config = PreTrainedConfig.from_pretrained(str(folder))
-    if getattr(config, "auto_map", None):
+    values = json.loads((folder / "config.json").read_text())
+    if "auto_map" in values:
         return None
-    config.name_or_path = str(folder)  # as AutoConfig sets it: AutoTokenizer matches it against hub ids
-    return config
+    # name_or_path as AutoConfig sets it: AutoTokenizer matches it against hub ids.
+    return PreTrainedConfig.from_dict(values, name_or_path=str(folder))
