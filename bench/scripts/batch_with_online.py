@@ -10,8 +10,8 @@ time from sending it to its first chunk with content. Warm-up: a 40-line batch u
 first shapes, the caches). Phase 1: the load alone for --duration seconds. Phase 2: a --lines-request batch
 file (short chat prompts, max_tokens 24) is uploaded and created, and the same load runs while the batch
 does (until it completes, or --duration at most); the batch is then polled to completed. Reported: online
-TTFT p50/p90/p99 per phase (and their p99 ratio, target <= 1.2), the batch's completion time (created ->
-completed) and its request_counts.
+TTFT p50/p90/p99 per phase (and their p99 ratio, target <= 1.2) with the five slowest and when they were
+sent, the batch's completion time (created -> completed) and its request_counts.
 """
 
 from __future__ import annotations
@@ -54,8 +54,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def summary(ttfts: list[float]) -> dict[str, Any]:
-    ms = [t * 1000 for t in ttfts]
+def summary(samples: list[tuple[float, float]]) -> dict[str, Any]:
+    """`samples`: (seconds into the phase the request was sent, its TTFT in seconds)."""
+    ms = [t * 1000 for _, t in samples]
+    worst = sorted(samples, key=lambda s: -s[1])[:5]
     return {
         "requests": len(ms),
         "ttft_ms_p50": round(percentile(ms, 50), 1),
@@ -63,6 +65,8 @@ def summary(ttfts: list[float]) -> dict[str, Any]:
         "ttft_ms_p99": round(percentile(ms, 99), 1),
         "ttft_ms_max": round(max(ms), 1),
         "ttft_ms_mean": round(statistics.fmean(ms), 1),
+        # Where the tail came from: when in the phase each of the five slowest was sent.
+        "worst_5_sent_at_s_ttft_ms": [[round(at, 1), round(t * 1000, 1)] for at, t in worst],
     }
 
 
@@ -88,8 +92,10 @@ async def one_request(client: httpx.AsyncClient, question: str) -> float:
     return ttft
 
 
-async def online_load(url: str, rate: float, stop: asyncio.Event, duration: float, seed: int) -> list[float]:
-    """Requests every 1/rate seconds until `stop` is set or `duration` passes; their TTFTs."""
+async def online_load(
+    url: str, rate: float, stop: asyncio.Event, duration: float, seed: int
+) -> list[tuple[float, float]]:
+    """Requests every 1/rate seconds until `stop` is set or `duration` passes; (when sent, TTFT) each."""
     rng = random.Random(seed)
     tasks: list[asyncio.Task[float]] = []
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
@@ -102,7 +108,8 @@ async def online_load(url: str, rate: float, stop: asyncio.Event, duration: floa
                 await asyncio.wait_for(stop.wait(), with_timeout)
             except asyncio.TimeoutError:
                 pass
-        return list(await asyncio.gather(*tasks))
+        ttfts = await asyncio.gather(*tasks)
+    return [(i / rate, ttft) for i, ttft in enumerate(ttfts)]
 
 
 def batch_file(lines: int) -> bytes:

@@ -16,7 +16,7 @@ from tokenmill.config import SchedulerConfig
 from tokenmill.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduling.kv_cache_manager import KVCacheManager
-from tokenmill.scheduling.request import BACKGROUND_PRIORITY, Request, RequestStatus
+from tokenmill.scheduling.request import BACKGROUND_PRIORITY, ONLINE_QUIET_S, Request, RequestStatus
 from tokenmill.scheduling.scheduler import Scheduler
 
 BS = 4
@@ -428,6 +428,28 @@ def test_a_background_request_sits_out_every_step_another_request_wants(policy: 
     assert set(out.num_scheduled_tokens) == {"batch"}  # and runs again once it is alone
     run_to_completion(scheduler, runner)
     assert batch.output_token_ids == [counting(i) for i in range(20)]
+    assert_no_block_leaked(scheduler)
+
+
+def test_right_after_online_traffic_an_idle_class_step_computes_one_short_prompt_chunk() -> None:
+    now = [0.0]
+    scheduler = Scheduler(SchedulerConfig(), KVCacheManager(64, BS), idle_chunk_tokens=3, clock=lambda: now[0])
+    runner = FakeRunner()
+    scheduler.add_request(make_request("online", prompt_len=8, max_tokens=2))
+    assert [out.num_scheduled_tokens for out in run_to_completion(scheduler, runner)] == [{"online": 8}, {"online": 1}]
+    now[0] = ONLINE_QUIET_S - 0.1
+    a = make_request("a", prompt_len=2, max_tokens=6, priority=BACKGROUND_PRIORITY)
+    b = make_request("b", prompt_len=8, max_tokens=2, priority=BACKGROUND_PRIORITY)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    # 3 prompt tokens a step between them; a's decode rows pass, as does b's last prompt token.
+    expected = [{"a": 2, "b": 1}, {"a": 1, "b": 3}, {"a": 1, "b": 3}, {"a": 1, "b": 1}]
+    assert [step(scheduler, runner)[0].num_scheduled_tokens for _ in expected] == expected
+    now[0] = ONLINE_QUIET_S  # quiet since the online request's last step: whole prompts again
+    scheduler.add_request(make_request("c", prompt_len=8, max_tokens=1, priority=BACKGROUND_PRIORITY))
+    assert step(scheduler, runner)[0].num_scheduled_tokens == {"a": 1, "b": 1, "c": 8}
+    run_to_completion(scheduler, runner)
+    assert a.output_token_ids == [counting(i) for i in range(6)] and b.output_token_ids == [counting(0), counting(1)]
     assert_no_block_leaked(scheduler)
 
 

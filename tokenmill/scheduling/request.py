@@ -13,6 +13,9 @@ from tokenmill.sampling_params import SamplingParams
 # other request wants, under every scheduling policy; it keeps its blocks meanwhile unless a waiting
 # request needs them (then it is preempted). Online traffic thus never shares a step with it.
 BACKGROUND_PRIORITY = (1 << 31) - 1
+# Online traffic is "recent" this many seconds after the last online request ran: the Batch API runs one
+# line at a time then (server/batch_runner.py), and the scheduler keeps the idle class's steps short.
+ONLINE_QUIET_S = 2.0
 
 
 class RequestStatus(enum.Enum):

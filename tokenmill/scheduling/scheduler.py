@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig, SpeculativeConfig
@@ -19,7 +20,7 @@ from tokenmill.outputs import (
 )
 from tokenmill.scheduling.block_pool import Block
 from tokenmill.scheduling.kv_cache_manager import KVCacheManager
-from tokenmill.scheduling.request import Request, RequestStatus
+from tokenmill.scheduling.request import ONLINE_QUIET_S, Request, RequestStatus
 from tokenmill.scheduling.request_queue import make_queue
 
 logger = logging.getLogger(__name__)
@@ -88,8 +89,15 @@ class AdmissionLimits:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache: KVCacheManager, speculative: SpeculativeConfig | None = None
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        speculative: SpeculativeConfig | None = None,
+        idle_chunk_tokens: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`idle_chunk_tokens`: the prompt tokens an idle-class step computes while online traffic is recent
+        (the runner's short-step size; None: no cap). `clock`: how recent online traffic is (tests fake it)."""
         self.config = config
         self.kv_cache = kv_cache
         self.speculative = speculative
@@ -103,6 +111,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._ended_since_last_step: set[str] = set()
         self._num_background = 0  # requests of the idle class (BACKGROUND_PRIORITY) not finished
+        self.idle_chunk_tokens, self.clock = idle_chunk_tokens, clock
+        self._online_at = -float("inf")  # the clock's time of the last step with an online request
+        self._chunk_room: int | None = None  # this step's room for idle-class prompt tokens (None: no cap)
 
     # ------------------------------------------------------------------ requests in and out
     @property
@@ -158,6 +169,12 @@ class Scheduler:
 
         # Background requests sit out every step in which any other request runs or waits.
         idle = 0 < self._num_background < len(self.requests)
+        # Within ONLINE_QUIET_S of online traffic, their steps compute one short prompt chunk at most (beside
+        # their decodes): a step an arriving online request waits behind stays short.
+        now = self.clock()
+        if self._num_background < len(self.requests):
+            self._online_at = now
+        self._chunk_room = self.idle_chunk_tokens if now - self._online_at < ONLINE_QUIET_S else None
         budget, preempted = self._schedule_running(budget, num_scheduled, spec_tokens, cached_reqs, ended, idle)
         if not preempted:
             self._schedule_waiting(budget, num_scheduled, new_reqs, ended, idle)
@@ -212,6 +229,10 @@ class Scheduler:
             # Draft tokens are scheduled tokens of the request: their KV slots are allocated with the rest.
             drafts = self._drafts_to_verify(request, budget)
             num_new = min(request.num_tokens + len(drafts) - request.num_computed_tokens, budget)
+            num_new = self._cut_to_chunk(request, request.num_tokens - request.num_computed_tokens, num_new)
+            if num_new == 0:
+                i += 1
+                continue
             new_block_ids = self._allocate_with_lookahead(request, num_new)
             if new_block_ids is None and drafts:  # drafts are optional: never preempt anyone for them
                 drafts, num_new = [], num_new - len(drafts)
@@ -236,6 +257,16 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget, preempted
+
+    def _cut_to_chunk(self, request: Request, remaining: int, num_new: int) -> int:
+        """`num_new` cut to the step's room for idle-class prompt tokens (0 once it is spent); a decode row
+        (`remaining` 1) and an online request pass."""
+        room = self._chunk_room
+        if room is None or not request.background or remaining == 1:
+            return num_new
+        num_new = min(num_new, room)
+        self._chunk_room = room - num_new
+        return num_new
 
     def _allocate_with_lookahead(
         self, request: Request, num_new: int, computed_blocks: list[Block] | None = None
@@ -287,11 +318,13 @@ class Scheduler:
             if leader is not None and not leader.is_finished and not leader.prompt_done():
                 deferred.append(self.waiting.pop())  # let its sibling fill the prefix cache first
                 continue
-            if idle and request.background:
+            if request.background and (idle or self._chunk_room == 0):
                 deferred.append(self.waiting.pop())
                 continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = self._cut_to_chunk(
+                request, request.num_tokens - num_cached, min(request.num_tokens - num_cached, budget)
+            )
             new_block_ids = self._allocate_with_lookahead(request, num_new, computed_blocks)
             made_room = False
             while new_block_ids is None and not request.background and self._preempt_background(ended):

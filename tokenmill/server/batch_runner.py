@@ -6,7 +6,8 @@ Online requests go first in three ways: a line is queued in the engine only whil
 online request (none waits, and every request it runs is a batch line); at most one line runs while
 online requests came in the last ONLINE_QUIET_S, else `--batch-max-in-flight` over all batches; and a
 line carries the scheduler's idle priority (BACKGROUND_PRIORITY), so the lines already running sit out
-every step an online request wants (and give up their blocks if a waiting one needs them)."""
+every step an online request wants (and give up their blocks if a waiting one needs them), and while
+online traffic is recent compute their prompts in short chunks (a step an arrival waits behind is short)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from tokenmill.scheduling.request import ONLINE_QUIET_S
 from tokenmill.server.batch_exec import RetryLater, run_line
 from tokenmill.server.batch_lines import BatchLine, done_custom_ids, output_line, parse_batch_lines
 from tokenmill.server.batch_store import BatchRecord, BatchStore
@@ -28,10 +30,9 @@ from tokenmill.server.files_store import FileStore
 logger = logging.getLogger(__name__)
 
 GATE_POLL_S = 0.005  # how often a line waiting for idle capacity looks again
-# While online traffic came within this many seconds, one line runs at a time: measured on 2 cores at
-# 2 online requests/s, their p99 TTFT moved 1.05x with one line in flight, 1.63x with two, 2.66x with
-# four (bench/results/xeon-amx/batch_with_online.json); a quiet server runs --batch-max-in-flight.
-ONLINE_QUIET_S = 2.0
+# While online traffic came within ONLINE_QUIET_S, one line runs at a time: measured on 2 cores at 2 online
+# requests/s, their p99 TTFT moved 1.05x with one line in flight, 1.63x with two, 2.66x with four (before
+# the scheduler's short idle-class chunks); a quiet server runs --batch-max-in-flight.
 
 
 class BatchRunner:
