@@ -50,3 +50,21 @@ def test_loading_a_tokenizer_imports_no_model_config_class(tmp_path: Path) -> No
     code = f"from tokenmill.loader.hf import load_tokenizer\nload_tokenizer({str(tmp_path)!r})"
     config_modules = ("transformers.models.llama.configuration_llama", "torch.distributed.tensor")
     assert _imported_after(code, watched=config_modules) == []
+
+
+def test_starting_the_offline_api_imports_no_config_class_or_compiler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # LLM() and a generate on a tiny model whose config is already resolved (as on every start after the first):
+    # no transformers config class, and no torch._dynamo, which torch's Python meta kernels import on first use.
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    AutoConfig.for_model("llama", **TINY).save_pretrained(tmp_path / "model")
+    make_tiny_tokenizer().save_pretrained(tmp_path / "model")
+    load_hf_config(tmp_path / "model")
+    code = (
+        "from tokenmill import LLM, SamplingParams\n"
+        f"llm = LLM({str(tmp_path / 'model')!r}, load_format='dummy', dtype='float32', num_kv_blocks=8)\n"
+        "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))"
+    )
+    watched = ("transformers.models.llama.configuration_llama", "torch.distributed.tensor", "torch._dynamo", "gguf")
+    assert _imported_after(code, watched=watched) == []
