@@ -16,7 +16,6 @@ from tokenmill.executor import Executor, ExecutorDeadError, make_executor
 from tokenmill.kv_groups import UNBOUNDED, budget_num_blocks
 from tokenmill.loader.hf import load_tokenizer
 from tokenmill.loader.model_source import ModelSource
-from tokenmill.models.fused_decode import FusedDecode
 from tokenmill.outputs import EngineCoreOutput
 from tokenmill.sampling_params import params_for_wire
 from tokenmill.scheduling.kv_cache_manager import KVCacheManager
@@ -162,7 +161,8 @@ class EngineCore:
             window_groups=list(zip(self.runner.kv_groups.windows, pools[1:])),
         )
         # The idle class's short chunks: prompt pieces the fused decode stack takes, steps as short as a decode.
-        idle_chunk = FusedDecode.MAX_QUERY_LEN if self.runner.fused_decode is not None else None
+        fused = self.runner.fused_decode
+        idle_chunk = fused.MAX_QUERY_LEN if fused is not None else None
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.speculative, idle_chunk)
         self.num_idle_steps = 0  # consecutive steps that scheduled nothing while requests waited
         self.num_failed_steps = 0  # model steps that raised (each ended only its own requests)
