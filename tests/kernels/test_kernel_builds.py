@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from torch.utils import cpp_extension
 
-from tokenmill.ops import build
+from tokenmill.ops import build, kernel_cache
 
 
 def _toolchain_missing() -> str | None:
@@ -29,7 +30,9 @@ def test_every_kernel_builds_where_a_toolchain_exists() -> None:
     assert build.build_all() == [], f"these kernels failed to build for {build.cpu_isa()} (see the warnings above)"
 
 
-def test_a_broken_build_is_reported_as_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_broken_build_is_reported_as_failed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(kernel_cache.CACHE_ENV, str(tmp_path))  # an empty cache: the build must run
+
     def broken(*args: object, **kwargs: object) -> object:
         raise RuntimeError("compiler error")
 

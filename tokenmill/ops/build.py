@@ -1,5 +1,6 @@
-"""The one build loader for our C++ CPU kernels, compiled on first use with torch's extension builder
-and cached (in TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default).
+"""The one build loader for our C++ CPU kernels: built ahead of time by `python -m tokenmill.ops.build`
+(scripts/setup.sh runs it), else compiled on first use, and cached by instruction set and source digest
+(tokenmill/ops/kernel_cache.py: TOKENMILL_KERNEL_CACHE, ~/.cache/tokenmill/kernels by default).
 
 Every source and header lives in tokenmill/ops/csrc/; each extension is one .cpp file there:
 
@@ -13,9 +14,8 @@ Every source and header lives in tokenmill/ops/csrc/; each extension is one .cpp
 
 The kernels themselves are headers (ops/csrc/*.h), shared by these modules.
 
-`python -m tokenmill.ops.build` builds all five for TOKENMILL_CPU_ISA ahead of time (scripts/test.sh runs
-the native and the AVX2 builds side by side while the linters run: each module is one translation unit, so
-a build keeps one core busy).
+`python -m tokenmill.ops.build` builds all five for TOKENMILL_CPU_ISA ahead of time, one process each,
+side by side (scripts/test.sh runs the AVX2 build while the linters run).
 
 The instruction set: TOKENMILL_CPU_ISA=native (the default) compiles with -march=native, so the
 kernels pick their AVX-512 BF16 / VNNI paths where this CPU has them; TOKENMILL_CPU_ISA=avx2 compiles
@@ -27,19 +27,21 @@ code that asks whether bf16 dot products are there asks `cpu_has_avx512_bf16`, w
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
+import multiprocessing
 import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from types import ModuleType
+
+from tokenmill.ops import kernel_cache
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = {name: CSRC / f"{name}.cpp" for name in ("paged_decode", "cpu_ops", "decode_stack", "packed_gemm", "moe")}
 TORCH_OP_LIBRARIES = ("packed_gemm", "moe")  # loaded with load_ops; the others are pybind modules (load)
-HEADERS = CSRC
 ISA_ENV = "TOKENMILL_CPU_ISA"
 # TOKENMILL_CPU_ISA value -> the -march flag. x86-64-v3: AVX2, FMA, F16C, BMI2 (Haswell and later).
 MARCH = {"native": "-march=native", "avx2": "-march=x86-64-v3"}
@@ -53,8 +55,6 @@ CFLAGS = [
     "-fno-signed-zeros",
     "-fno-trapping-math",
 ]
-# A build takes minutes at most; a lock file older than this was left by a build that was killed.
-_STALE_LOCK_S = 900.0
 
 
 @functools.cache
@@ -67,14 +67,25 @@ def cpu_isa() -> str:
     return isa
 
 
-def cflags() -> list[str]:
-    """The compiler flags of every extension: CFLAGS, the -march of `cpu_isa()`, the header digest."""
-    return [*CFLAGS, MARCH[cpu_isa()], headers_flag()]
+def cflags(isa: str | None = None) -> list[str]:
+    """The compiler flags of every extension: CFLAGS and the -march of `isa` (default `cpu_isa()`)."""
+    return [*CFLAGS, MARCH[isa or cpu_isa()]]
 
 
-def extension_name(name: str) -> str:
+def extension_name(name: str, isa: str | None = None) -> str:
     """The cached extension's name: tokenmill_<name>, with _avx2 appended for the AVX2 build."""
-    return f"tokenmill_{name}" if cpu_isa() == "native" else f"tokenmill_{name}_{cpu_isa()}"
+    isa = isa or cpu_isa()
+    return f"tokenmill_{name}" if isa == "native" else f"tokenmill_{name}_{isa}"
+
+
+def kernel_folder(isa: str | None = None) -> Path:
+    """The cache folder of the extensions built from today's sources for `isa` (default `cpu_isa()`)."""
+    return kernel_cache.cache_folder(isa or cpu_isa(), CSRC, cflags(isa))
+
+
+def is_built(name: str, isa: str | None = None) -> bool:
+    """Whether extension `name` is built for `isa` (default `cpu_isa()`), loadable without a compiler."""
+    return kernel_cache.library(kernel_folder(isa), extension_name(name, isa)).exists()
 
 
 @functools.cache
@@ -171,58 +182,49 @@ def load_ops(name: str) -> bool:
 def _build(name: str, python_module: bool) -> object:
     """The loaded extension (a module, or the library's path for torch-op libraries); None where the
     build failed."""
-    from torch.utils import cpp_extension
-
     ext = extension_name(name)
-    _remove_stale_lock(Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()), ext)
     try:
-        loaded = cpp_extension.load(
-            name=ext,
-            sources=[str(SOURCES[name])],
-            extra_cflags=cflags(),
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(HEADERS)],
-            is_python_module=python_module,  # False: registers torch ops, no pybind11 (builds in seconds)
-            verbose=False,
-        )
+        return kernel_cache.load(ext, [SOURCES[name]], kernel_folder(), cflags(), CSRC, python_module)
     except Exception as exc:  # noqa: BLE001 (no compiler, no ninja: fall back, never fail the load)
         logger.warning("could not build the C++ kernel %r (%s); using PyTorch ops instead", ext, exc)
         return None
-    return ext if loaded is None else loaded
-
-
-@functools.cache
-def headers_flag() -> str:
-    """A define carrying a digest of our kernel headers: torch rebuilds a cached extension when its
-    sources or flags change, not its headers, so a changed header must change the flags."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(HEADERS.glob("*.h")))).hexdigest()[:16]
-    return f"-DTOKENMILL_HEADERS={digest}"
-
-
-def _remove_stale_lock(root: Path, ext: str) -> None:
-    """torch waits forever on a build lock; one left by a killed build would hang every later start."""
-    for lock in [*root.glob(f"{ext}/lock"), *root.glob(f"*/{ext}/lock")]:
-        try:
-            if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-                logger.warning("removing a stale build lock %s", lock)
-                lock.unlink()
-        except OSError:
-            pass
 
 
 def build_all() -> list[str]:
-    """Build (or find cached) every extension for this process's instruction set; the names that failed."""
-    return [name for name in SOURCES if not (load_ops(name) if name in TORCH_OP_LIBRARIES else load(name) is not None)]
+    """Build (or find cached) and load every extension for this process's instruction set; the names that
+    failed."""
+    return [name for name in SOURCES if not _build_one(name)]
+
+
+def _build_one(name: str) -> bool:
+    return load_ops(name) if name in TORCH_OP_LIBRARIES else load(name) is not None
+
+
+def build_missing() -> list[str]:
+    """Build every extension not yet in the cache, each in a process of its own, side by side (each build is
+    one compiler at a time); the names that failed. Loads nothing into this process."""
+    missing = [name for name in SOURCES if not is_built(name)]
+    if not missing:
+        return []
+    with ProcessPoolExecutor(len(missing), mp_context=multiprocessing.get_context("spawn")) as pool:
+        built = list(pool.map(_build_one, missing))
+    return [name for name, ok in zip(missing, built) if not ok]
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.WARNING)
+    started = time.perf_counter()
+    failed = build_missing()
+    print(
+        f"tokenmill kernels ({cpu_isa()}, {kernel_folder()}): ready in {time.perf_counter() - started:.0f} s"
+        + (f"; FAILED: {', '.join(failed)}" if failed else "")
+    )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
     import sys
 
-    logging.basicConfig(level=logging.WARNING)
-    started = time.perf_counter()
-    failed = build_all()
-    print(
-        f"tokenmill kernels ({cpu_isa()}): built in {time.perf_counter() - started:.0f} s"
-        + (f"; FAILED: {', '.join(failed)}" if failed else "")
-    )
-    sys.exit(1 if failed else 0)
+    from tokenmill.ops.build import main as module_main  # the importable module's: its build processes find it
+
+    sys.exit(module_main())
