@@ -193,11 +193,13 @@ def _build(name: str, python_module: bool) -> object:
 def build_all() -> list[str]:
     """Build (or find cached) and load every extension for this process's instruction set; the names that
     failed."""
-    return [name for name in SOURCES if not _build_one(name)]
+    return [name for name in SOURCES if not (load_ops(name) if name in TORCH_OP_LIBRARIES else load(name) is not None)]
 
 
 def _build_one(name: str) -> bool:
-    return load_ops(name) if name in TORCH_OP_LIBRARIES else load(name) is not None
+    """Build (or find cached) one extension, loaded as it was built and no further (no AMX switch: the moe
+    library's comes with packed_gemm's)."""
+    return _build(name, python_module=name not in TORCH_OP_LIBRARIES) is not None
 
 
 def build_missing() -> list[str]:
