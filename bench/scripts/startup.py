@@ -45,9 +45,10 @@ KINDS = ("serve", "llm", "qwen-dummy")
 QWEN = ["qwen2.5-0.5b", "--load-format", "dummy"]
 # Issue 48's targets, in seconds.
 TARGETS = {"serve": 3.0, "llm": 2.0, "qwen-dummy": 5.0, "fresh-clone": 120.0}
-# Where the C++ kernels are cached: torch's variable, and tokenmill's own where tokenmill/ops/build.py has one.
-KERNEL_CACHE_ENVS = ("TORCH_EXTENSIONS_DIR",)
-SETUP_TIMEOUT_S = 1800.0  # pip and, since issue 48, the kernels' compile
+# Where the C++ kernels are cached (tokenmill/ops/kernel_cache.py), and torch's build folder for any
+# extension tokenmill leaves to torch: both empty in a fresh clone.
+KERNEL_CACHE_ENVS = ("TOKENMILL_KERNEL_CACHE", "TORCH_EXTENSIONS_DIR")
+SETUP_TIMEOUT_S = 1800.0  # pip, then the kernels' compile at install
 PHASE_LINE = re.compile(r"start-up", re.IGNORECASE)  # the server's phase lines, not uvicorn's "startup"
 CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}
 
@@ -214,7 +215,7 @@ def fresh_env(caches: Path) -> dict[str, str]:
     """This environment without its venv, and with empty kernel and tokenmill caches under `caches`."""
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if Path(p) != Path(PYTHON).parent)
-    env |= {name: str(caches / "kernels") for name in KERNEL_CACHE_ENVS}
+    env |= {name: str(caches / name.lower()) for name in KERNEL_CACHE_ENVS}
     env["TOKENMILL_CACHE"] = str(caches / "tokenmill")
     return env
 
