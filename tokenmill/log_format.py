@@ -17,15 +17,16 @@ LOG_FORMAT_ENV = "TOKENMILL_LOG_FORMAT"  # "json" or "text"; set by the serving 
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record: time, level, logger, message, the process role when given, and the
-    exception's traceback when there is one (its newlines escaped: one line per record)."""
+    """One JSON object per record: time, level, logger, message, the process role when given, a start-up
+    phase's name and seconds, and the exception's traceback when there is one (its newlines escaped: one
+    line per record)."""
 
     def __init__(self, process: str | None = None) -> None:
         super().__init__()
         self.process = process
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {
+        entry: dict[str, object] = {
             "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
@@ -33,6 +34,10 @@ class JsonFormatter(logging.Formatter):
         }
         if self.process is not None:
             entry["process"] = self.process
+        phase = getattr(record, "phase", None)
+        if phase is not None:  # a start-up phase (startup_phases.py): its name and seconds as fields
+            entry["phase"] = phase
+            entry["seconds"] = record.__dict__["seconds"]
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)

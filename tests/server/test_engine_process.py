@@ -40,6 +40,9 @@ def _greedy(server: RunningServer) -> list[Any]:
 
 def test_process_and_thread_engines_answer_the_same(chat_model: Path, server: RunningServer) -> None:
     assert isinstance(server.engine.client, ProcessCoreClient)
+    # The engine process timed its own start-up and sent it with EngineReady.
+    names = [name for name, _ in server.engine.phases.phases]
+    assert names[-4:] == ["engine imports", "engine model", "engine KV cache", "engine warm-up"]
     from_process = _greedy(server)
     with run_server(chat_model) as on_thread:
         from_thread = _greedy(on_thread)

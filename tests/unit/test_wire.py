@@ -172,7 +172,7 @@ def test_a_step_event_keeps_every_field_by_name() -> None:
 @pytest.mark.parametrize(
     "event",
     [
-        EngineReady(AdmissionLimits(max_model_len=2048, block_size=16, num_blocks=300)),
+        EngineReady(AdmissionLimits(max_model_len=2048, block_size=16, num_blocks=300), [("model", 0.4)]),
         EngineStartFailed("OSError: no such model"),
         EngineDead("the engine was shut down.", False),
         EngineDead("a model step failed", True),
@@ -202,7 +202,7 @@ def test_a_renamed_field_is_refused() -> None:
     message["dead_reason"] = message.pop("reason")  # a writer that renamed the field
     with pytest.raises(WireError, match="dead_reason|reason"):
         EVENTS.decode(msgspec.msgpack.encode(message))
-    limits = msgspec.to_builtins(EngineReady(AdmissionLimits(2048, 16, 300)))
+    limits = msgspec.to_builtins(EngineReady(AdmissionLimits(2048, 16, 300), []))
     limits["limits"]["blocks"] = limits["limits"].pop("num_blocks")  # inside a contract dataclass
     with pytest.raises(WireError, match="num_blocks"):
         EVENTS.decode(msgspec.msgpack.encode(limits))

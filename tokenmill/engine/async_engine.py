@@ -52,6 +52,7 @@ from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.pooling_params import PoolingTask
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduling.request import RequestStatus
+from tokenmill.startup_phases import StartupPhases
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -106,22 +107,18 @@ class AsyncEngine:
         engine_process: bool = True,
         restart_policy: RestartPolicy | None = None,
         step_timeout_s: float | None = None,
+        phases: StartupPhases | None = None,
+        wait_ready: bool = True,
     ) -> None:
-        self.config, source = create_engine_config(args)
-        self.tokenizer: PreTrainedTokenizerBase | None = load_tokenizer(source.tokenizer) if source.tokenizer else None
-        client_type = ProcessCoreClient if engine_process else ThreadCoreClient
-        self._new_client: Callable[[], CoreClient] = lambda: client_type(self.config, source)
-        self.client: CoreClient = self._new_client()
+        """The engine process is spawned first, so it loads the model while this process loads the
+        tokenizer (and, with `wait_ready=False`, whatever the caller sets up before it calls wait_ready).
+        `phases` times this start and logs the engine's own phases once it is ready."""
+        self.phases = phases if phases is not None else StartupPhases(level=None)
         self.restart_policy = restart_policy or RestartPolicy()
         self.restarting: str | None = None  # why, while a new engine starts after one died
         self.num_restarts = 0
         self._restart_task: asyncio.Task[None] | None = None
         self._closing = False
-        self.inputs = InputProcessor(
-            self.tokenizer, self.config.model.vocab_size, source.eos_token_ids, self.client.limits
-        )
-        self.outputs = OutputProcessor(self.tokenizer)
-        self.pooling = ModelPooling.of(source.folder, self.config.model.hf_config)
         self.stall_timeout_s = stall_timeout_s
         self.watchdog = StepWatchdog(step_timeout_s)
         self.stats: StatsListener | None = None
@@ -132,9 +129,48 @@ class AsyncEngine:
         self._add_seq = itertools.count(1)
         # Adds the engine has not yet counted in a snapshot: (seq, requests, tokens).
         self._unacked: collections.deque[tuple[int, int, int]] = collections.deque()
-        self.num_blocks = self.client.limits.num_blocks
-        self.snapshot = EngineSnapshot.idle(self.num_blocks)
         self._last_event = time.monotonic()  # when the engine last reported, for stall detection
+        with self.phases.phase("config"):
+            self.config, source = create_engine_config(args)
+        self._eos_token_ids = source.eos_token_ids
+        client_type = ProcessCoreClient if engine_process else ThreadCoreClient
+
+        def new_client() -> CoreClient:  # a replacement for an engine that died
+            client = client_type(self.config, source)
+            client.wait_ready()
+            return client
+
+        self._new_client: Callable[[], CoreClient] = new_client
+        with self.phases.phase("engine process spawn" if engine_process else "engine load"):
+            self.client: CoreClient = client_type(self.config, source)
+        try:  # the front end's own set-up, while the engine process loads the model
+            with self.phases.phase("tokenizer"):
+                self.tokenizer: PreTrainedTokenizerBase | None = (
+                    load_tokenizer(source.tokenizer) if source.tokenizer else None
+                )
+            self.outputs = OutputProcessor(self.tokenizer)
+            self.pooling = ModelPooling.of(source.folder, self.config.model.hf_config)
+        except BaseException:
+            self.client.kill()
+            raise
+        if wait_ready:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait for the engine to load its model (RuntimeError if it could not; the engine process is
+        stopped on any error, Ctrl-C included), then take its limits."""
+        try:
+            with self.phases.phase("waiting for the engine"):
+                engine_phases = self.client.wait_ready()
+        except BaseException:
+            self.client.kill()
+            raise
+        for name, seconds in engine_phases:
+            self.phases.record(f"engine {name}", seconds)
+        limits = self.client.limits
+        self.inputs = InputProcessor(self.tokenizer, self.config.model.vocab_size, self._eos_token_ids, limits)
+        self.num_blocks = limits.num_blocks
+        self.snapshot = EngineSnapshot.idle(self.num_blocks)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:

@@ -21,6 +21,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Protocol
@@ -45,6 +46,7 @@ from tokenmill.loader.model_source import ModelSource
 from tokenmill.log_format import configure_child_logging
 from tokenmill.scheduling.request import RequestStatus
 from tokenmill.scheduling.scheduler import AdmissionLimits
+from tokenmill.startup_phases import StartupPhases
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,12 @@ _START_TIMEOUT_S = 1800.0
 
 
 class CoreClient(Protocol):
-    limits: AdmissionLimits  # includes the KV cache's block count
+    limits: AdmissionLimits  # includes the KV cache's block count; set once wait_ready returns
+
+    def wait_ready(self) -> list[tuple[str, float]]:
+        """Wait until the model is loaded (the front end does its own set-up meanwhile); return the
+        engine's start-up phases. Raises RuntimeError with the reason if the engine could not start."""
+        ...
 
     def start(self, on_step: OnStep, on_dead: OnDead) -> None:
         """Start the loop; call inside the running event loop that gets the callbacks."""
@@ -76,11 +83,15 @@ class CoreClient(Protocol):
 # ---------------------------------------------------------------------- thread
 class ThreadCoreClient:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
-        self.core = EngineCore(config, source)
+        self.phases = StartupPhases(level=None)
+        self.core = EngineCore(config, source, phases=self.phases)
         self.limits = self.core.scheduler.limits
         self._commands: queue.Queue[Command] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._sink: _LoopSink | None = None
+
+    def wait_ready(self) -> list[tuple[str, float]]:
+        return self.phases.phases  # loaded in __init__, on this thread
 
     def start(self, on_step: OnStep, on_dead: OnDead) -> None:
         self._sink = _LoopSink(asyncio.get_running_loop(), on_step, on_dead)
@@ -144,13 +155,15 @@ class _LoopSink:
 
 # ---------------------------------------------------------------------- process
 class ProcessCoreClient:
+    """Spawns the engine process at once; wait_ready waits for its model to load."""
+
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold torch threads
         commands_in, self._commands = ctx.Pipe(duplex=False)
         self._events, events_out = ctx.Pipe(duplex=False)
         self.process = ctx.Process(
             target=run_engine_process,
-            args=(config, source, commands_in, events_out),
+            args=(config, source, commands_in, events_out, time.time()),
             name="tokenmill-engine",
             daemon=True,
         )
@@ -158,14 +171,13 @@ class ProcessCoreClient:
             self.process.start()
         commands_in.close()
         events_out.close()
-        self.limits = self._wait_ready()
         self._outbox: queue.Queue[bytes | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write, name="tokenmill-engine-writer", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_step: OnStep | None = None
         self._on_dead: OnDead | None = None
 
-    def _wait_ready(self) -> AdmissionLimits:
+    def wait_ready(self) -> list[tuple[str, float]]:
         waited = 0.0
         try:
             while not self._events.poll(1.0):
@@ -183,7 +195,8 @@ class ProcessCoreClient:
             self.process.join(10)
             reason = event.reason if isinstance(event, (EngineStartFailed, EngineDead)) else repr(event)
             raise RuntimeError(f"the engine process could not start: {reason}")
-        return event.limits
+        self.limits = event.limits
+        return event.phases
 
     def start(self, on_step: OnStep, on_dead: OnDead) -> None:
         self._loop = asyncio.get_running_loop()
@@ -260,17 +273,22 @@ def _engine_process_env() -> Iterator[None]:
             del os.environ["OMP_WAIT_POLICY"]
 
 
-def run_engine_process(config: EngineConfig, source: ModelSource, commands: Connection, events: Connection) -> None:
-    """The engine process: load the model, send EngineReady, then run the core loop until told to stop."""
+def run_engine_process(
+    config: EngineConfig, source: ModelSource, commands: Connection, events: Connection, spawned_at: float
+) -> None:
+    """The engine process: load the model, send EngineReady, then run the core loop until told to stop.
+    `spawned_at` (time.time() in the server) times this process's start: Python, torch and our imports."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which stops us in order
+    phases = StartupPhases(level=None)  # sent in EngineReady: the server logs them
+    phases.record("imports", time.time() - spawned_at)
     configure_child_logging("engine", "tokenmill engine process: %(levelname)s %(message)s")
     try:
-        core = EngineCore(config, source)
+        core = EngineCore(config, source, phases=phases)
     except Exception as exc:
         logger.exception("loading the model failed")
         events.send_bytes(EVENTS.encode(EngineStartFailed(f"{type(exc).__name__}: {exc}")))
         return
-    events.send_bytes(EVENTS.encode(EngineReady(core.scheduler.limits)))
+    events.send_bytes(EVENTS.encode(EngineReady(core.scheduler.limits, phases.phases)))
     CoreLoop(core, _PipeCommands(commands), _PipeEvents(events)).run()
 
 

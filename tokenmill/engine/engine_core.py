@@ -21,6 +21,7 @@ from tokenmill.sampling_params import params_for_wire
 from tokenmill.scheduling.kv_cache_manager import KVCacheManager
 from tokenmill.scheduling.request import Request, RequestStatus
 from tokenmill.scheduling.scheduler import Scheduler
+from tokenmill.startup_phases import StartupPhases
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.llguidance_backend import LLGuidanceBackend
 from tokenmill.structured.waitlist import GrammarWaitlist
@@ -137,18 +138,29 @@ def grammar_compiler(config: EngineConfig, source: ModelSource) -> GrammarCompil
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, source: ModelSource, grammars: GrammarCompiler | None = None) -> None:
-        """`grammars`: a compiler to share with the front end in this process (LLM does); else its own."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        source: ModelSource,
+        grammars: GrammarCompiler | None = None,
+        phases: StartupPhases | None = None,
+    ) -> None:
+        """`grammars`: a compiler to share with the front end in this process (LLM does); else its own.
+        `phases` times the model load and the KV cache (recorded only, unless the caller's logs them)."""
         self.config = config
+        phases = phases if phases is not None else StartupPhases(level=None)
         self.grammars = grammars if grammars is not None else grammar_compiler(config, source)
         self.grammar_waitlist: GrammarWaitlist[Request] = GrammarWaitlist()
         # One model runner per tensor-parallel rank; `runner` is rank 0's, in this process.
-        self.executor = make_executor(config, source.folder, source.eos_token_ids, self.grammars)
+        with phases.phase("model"):
+            self.executor = make_executor(config, source.folder, source.eos_token_ids, self.grammars)
         self.runner = self.executor.driver
         try:
-            self.num_blocks = num_kv_blocks(config, self.executor)  # rank 0 decides, every rank allocates
-            self.executor.allocate_kv_cache(self.num_blocks)
-            self.executor.capture_cuda_graphs()  # CUDA only; after the cache, which the graphs read in place
+            with phases.phase("KV cache"):
+                self.num_blocks = num_kv_blocks(config, self.executor)  # rank 0 decides, every rank allocates
+                self.executor.allocate_kv_cache(self.num_blocks)
+            with phases.phase("warm-up"):
+                self.executor.capture_cuda_graphs()  # CUDA only; after the cache, which the graphs read in place
         except BaseException:
             self.executor.shutdown()
             raise

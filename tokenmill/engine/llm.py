@@ -24,6 +24,7 @@ from tokenmill.outputs import ClassificationOutput, EmbeddingOutput, RequestOutp
 from tokenmill.pooling_params import PoolingTask, check_dimensions, cosine, score_logit, truncate_embedding
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduling.request import Request, RequestStatus
+from tokenmill.startup_phases import StartupPhases
 from tokenmill.structured.llguidance_backend import llguidance_grammars
 
 if TYPE_CHECKING:
@@ -53,12 +54,18 @@ class LLM:
     import the main module again, so a script must create the LLM under `if __name__ == "__main__":`."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.config, source = create_engine_config(EngineArgs(model=model, **kwargs))
-        self.tokenizer: PreTrainedTokenizerBase | None = load_tokenizer(source.tokenizer) if source.tokenizer else None
+        phases = StartupPhases(level=logging.DEBUG)  # where a slow start went, for whoever asks the logs
+        with phases.phase("config"):
+            self.config, source = create_engine_config(EngineArgs(model=model, **kwargs))
+        with phases.phase("tokenizer"):
+            self.tokenizer: PreTrainedTokenizerBase | None = (
+                load_tokenizer(source.tokenizer) if source.tokenizer else None
+            )
         vocab_size, eos = self.config.model.vocab_size, source.eos_token_ids
         # One compiler checks the requests and serves the engine: each grammar compiles once.
         grammars = llguidance_grammars(self.tokenizer, vocab_size, eos)
-        self.engine = EngineCore(self.config, source, grammars)
+        self.engine = EngineCore(self.config, source, grammars, phases)
+        phases.ready()
         self.inputs = InputProcessor(self.tokenizer, vocab_size, eos, self.engine.scheduler.limits, grammars)
         self.pooling = ModelPooling.of(source.folder, self.config.model.hf_config)
         self._ids = itertools.count()

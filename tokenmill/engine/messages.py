@@ -157,9 +157,11 @@ class RequestTimings:
 
 
 class EngineReady(Message):
-    """The model is loaded; what every request must fit."""
+    """The model is loaded; what every request must fit, and how long each start-up phase took in the
+    engine process (startup_phases.py), for the server to log."""
 
     limits: AdmissionLimits
+    phases: list[tuple[str, float]]
 
 
 class EngineStartFailed(Message):

@@ -9,6 +9,7 @@ import logging
 from tokenmill.config import EngineArgs
 from tokenmill.server.config import PoolConfig, ServerConfig
 from tokenmill.settings import add_config_flag, add_flags, add_help_group_flag, from_namespace
+from tokenmill.startup_phases import StartupPhases
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -52,8 +53,6 @@ def engine_and_server_config(args: argparse.Namespace) -> tuple[EngineArgs, Serv
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from tokenmill.server.launcher import serve
-
     logging.getLogger("tokenmill").setLevel(args.log_level.upper())  # uvicorn configures its own loggers
     if args.log_format == "json":
         from tokenmill.metrics.logs import use_json_logs
@@ -61,4 +60,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         use_json_logs(args.log_level)
     if args.otlp_traces_endpoint and importlib.util.find_spec("opentelemetry.exporter.otlp") is None:
         raise SystemExit("tokenmill serve: error: --otlp-traces-endpoint needs pip install 'tokenmill[otel]'")
-    serve(*engine_and_server_config(args), args.log_level)
+    phases = StartupPhases()
+    phases.since_process_start("python and the CLI")
+    with phases.phase("server imports"):
+        from tokenmill.server.launcher import serve
+    serve(*engine_and_server_config(args), args.log_level, phases)

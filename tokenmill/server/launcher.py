@@ -27,6 +27,7 @@ from tokenmill.server.config import ServerConfig, ServerState
 from tokenmill.server.header_deadline import header_deadline_protocol
 from tokenmill.server.hosts import is_loopback
 from tokenmill.server.pool.setup import create_state
+from tokenmill.startup_phases import StartupPhases
 
 logger = logging.getLogger(__name__)
 
@@ -135,16 +136,29 @@ messages=[{{"role": "user", "content": "Hello!"}}]).choices[0].message.content)'
     )
 
 
-def serve(engine_args: EngineArgs, config: ServerConfig, log_level: str = "info") -> None:
-    """Load the model, then serve until SIGTERM / Ctrl-C."""
+def serve(
+    engine_args: EngineArgs, config: ServerConfig, log_level: str = "info", phases: StartupPhases | None = None
+) -> None:
+    """Load the model, then serve until SIGTERM / Ctrl-C. The engine process is spawned first and loads the
+    model while this process builds the app; `phases` logs where the start-up's seconds went."""
+    phases = phases if phases is not None else StartupPhases()
     engine = AsyncEngine(
         engine_args,
         config.engine_stall_timeout_s,
         engine_process=not config.engine_in_thread,
         restart_policy=RestartPolicy(max_restarts=config.max_engine_restarts),
         step_timeout_s=config.engine_step_timeout_s,
+        phases=phases,
+        wait_ready=False,
     )
-    state = create_state(config, engine, engine_args)
+    try:
+        with phases.phase("app"):
+            state = create_state(config, engine, engine_args)
+            server = make_server(state, log_level)
+    except BaseException:
+        engine.client.kill()  # Ctrl-C or a bad setting: the engine process must not outlive us
+        raise
+    engine.wait_ready()
     if config.host not in ("127.0.0.1", "localhost", "::1") and not state.keys.enabled:
         logger.warning(
             "listening on %s without an API key: anyone who can reach it can use it "
@@ -156,7 +170,7 @@ def serve(engine_args: EngineArgs, config: ServerConfig, log_level: str = "info"
             "listening on %s without --allowed-hosts: requests with any Host header are answered",
             config.host,
         )
-    server = make_server(state, log_level)
+    server.on_started.append(lambda _server: phases.ready())
     server.on_started.append(print_usage)
     server.run()
     if server.state.engine.failed:
