@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Everything CI checks, in order of cost: lint, formatting, the import contract, types, then the tests.
-# The C++ kernels (native and AVX2 builds) compile in the background meanwhile: each build keeps one core
-# busy for a minute or more, and the linters mostly one, so the tests start with both cached.
+# Everything CI checks, in order of cost: lint, formatting, the import contract, types, then the tests; first the
+# test and plot extras (scripts/setup.sh installs the runtime only). The C++ kernels compile in the background
+# meanwhile: the AVX2 build, and the native one where setup.sh did not build today's sources, so the tests start
+# with both cached.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=.venv/bin
@@ -13,6 +14,7 @@ if grep -qw avx2 /proc/cpuinfo 2>/dev/null && grep -qw fma /proc/cpuinfo; then
   TOKENMILL_CPU_ISA=avx2 $bin/python -m tokenmill.ops.build > $logs/avx2.log 2>&1 &
   avx2=$!
 fi
+echo "== test extras";     $bin/python -m pip install -q -e '.[test,plot]'
 echo "== ruff";            $bin/ruff check .
 echo "== ruff format";     $bin/ruff format --check .
 echo "== clang-format";    $bin/clang-format --dry-run --Werror tokenmill/ops/csrc/*.h tokenmill/ops/csrc/*.cpp

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from tokenmill.bench.report import cost_per_million_tokens, cost_report
 from tokenmill.cli import main
 from tokenmill.loader import model_source
 from tokenmill.loader.model_source import resolve_dtype
-from tokenmill.ops import build
+from tokenmill.ops import build, kernel_cache
 
 KEYS = {
     "cpu_model",
@@ -28,6 +29,7 @@ KEYS = {
     "memory_total_gib",
     "memory_bandwidth_gb_s",
     "gpu",
+    "kernels",
 }
 
 
@@ -163,3 +165,21 @@ def test_cost_per_hour_must_be_a_positive_number(command: str, value: str, capsy
         _bench_parser().parse_args(["bench", command, f"--cost-per-hour={value}"])
     assert exc.value.code == 2
     assert "--cost-per-hour" in capsys.readouterr().err
+
+
+def test_info_says_which_kernels_are_built_without_building_any(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(kernel_cache.CACHE_ENV, str(tmp_path))
+    lib = kernel_cache.library(build.kernel_folder("native"), build.extension_name("cpu_ops", "native"))
+    lib.parent.mkdir(parents=True)
+    lib.touch()  # as a finished build leaves it
+    main(["info", "--json"])
+    kernels = json.loads(capsys.readouterr().out)["kernels"]
+    assert kernels["native"]["folder"] == str(build.kernel_folder("native"))
+    assert kernels["native"]["built"] == {name: name == "cpu_ops" for name in build.SOURCES}
+    assert set(kernels) == ({"native", "avx2"} if build.cpu_has_avx2() else {"native"})
+    assert not any(kernels.get("avx2", {"built": {}})["built"].values())
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted([lib.parent.parent.name, lib.parent.name, lib.name])
+    main(["info"])
+    assert "not built: paged_decode, decode_stack" in capsys.readouterr().out

@@ -1,13 +1,14 @@
 """`tokenmill info`: the hardware as tokenmill sees it, and which kernel paths it selects there.
 
-    tokenmill info                 # CPU, cores, instruction sets, kernel paths, memory, GPU
+    tokenmill info                 # CPU, cores, instruction sets, kernel paths and builds, memory, GPU
     tokenmill info --bandwidth     # also a measured memory bandwidth (a timed 256 MB copy, about a second)
     tokenmill info --json          # the same as one JSON object
     tokenmill info MODEL           # whether tokenmill runs a model folder or .gguf file, and its shape
 
 Nothing here builds a C++ kernel: the paths follow from the CPU flags and TOKENMILL_CPU_ISA, the same
-answers tokenmill/ops/build.py gives the loader. A bandwidth measurement is kept in tokenmill's cache: servers
-started later export the step loop's draw as a share of it (tokenmill/metrics/bandwidth.py)."""
+answers tokenmill/ops/build.py gives the loader, and the builds are looked up in the kernel cache. A
+bandwidth measurement is kept in tokenmill's cache: servers started later export the step loop's draw as a
+share of it (tokenmill/metrics/bandwidth.py)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,14 @@ class KernelPaths:
 
 
 @dataclass
+class KernelBuilds:
+    """One instruction set's C++ kernels in the kernel cache (tokenmill/ops/kernel_cache.py)."""
+
+    folder: str  # the cache folder of today's sources and flags for this instruction set
+    built: dict[str, bool]  # extension -> compiled there (loads without a compiler)
+
+
+@dataclass
 class GpuInfo:
     name: str
     memory_gib: float
@@ -75,6 +84,7 @@ class HardwareInfo:
     memory_total_gib: float | None
     memory_bandwidth_gb_s: float | None  # None unless measured (--bandwidth)
     gpu: GpuInfo | None
+    kernels: dict[str, KernelBuilds]  # "native" (and "avx2" where this CPU runs it) -> its builds
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -137,6 +147,15 @@ def kernel_paths(isa: dict[str, bool]) -> KernelPaths:
     )
 
 
+def kernel_builds() -> dict[str, KernelBuilds]:
+    """Which extensions are built, for the native build and (where the CPU runs it) the AVX2 one."""
+    isas = ["native", "avx2"] if build.cpu_has_avx2() else ["native"]
+    return {
+        isa: KernelBuilds(str(build.kernel_folder(isa)), {name: build.is_built(name, isa) for name in build.SOURCES})
+        for isa in isas
+    }
+
+
 def memory_total_gib() -> float | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -188,6 +207,7 @@ def gather(bandwidth: bool = False) -> HardwareInfo:
         memory_total_gib=memory_total_gib(),
         memory_bandwidth_gb_s=measure_bandwidth_gb_s() if bandwidth else None,
         gpu=gpu_info(),
+        kernels=kernel_builds(),
     )
 
 
@@ -219,12 +239,23 @@ def format_info(info: HardwareInfo) -> str:
         ("int4 weights", paths.int4_weights),
         ("attention", paths.attention),
         ("int8 KV cache", paths.int8_kv_cache),
+        *((f"kernels ({isa})", _format_builds(builds)) for isa, builds in info.kernels.items()),
         ("memory", memory),
         ("memory bandwidth", bandwidth),
         ("gpu", gpu),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def _format_builds(builds: KernelBuilds) -> str:
+    missing = [name for name, built in builds.built.items() if not built]
+    if not missing:
+        return f"all {len(builds.built)} built, in {builds.folder}"
+    return (
+        f"not built: {', '.join(missing)} (compiled on first use, or now by `python -m tokenmill.ops.build`); "
+        f"folder {builds.folder}"
+    )
 
 
 def add_info_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:

@@ -14,8 +14,8 @@ Every source and header lives in tokenmill/ops/csrc/; each extension is one .cpp
 
 The kernels themselves are headers (ops/csrc/*.h), shared by these modules.
 
-`python -m tokenmill.ops.build` builds all five for TOKENMILL_CPU_ISA ahead of time, one process each,
-side by side (scripts/test.sh runs the AVX2 build while the linters run).
+`python -m tokenmill.ops.build` builds the five for TOKENMILL_CPU_ISA ahead of time, in parallel processes
+(scripts/setup.sh runs it; scripts/test.sh runs the AVX2 build while the linters run).
 
 The instruction set: TOKENMILL_CPU_ISA=native (the default) compiles with -march=native, so the
 kernels pick their AVX-512 BF16 / VNNI paths where this CPU has them; TOKENMILL_CPU_ISA=avx2 compiles
@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = {name: CSRC / f"{name}.cpp" for name in ("paged_decode", "cpu_ops", "decode_stack", "packed_gemm", "moe")}
 TORCH_OP_LIBRARIES = ("packed_gemm", "moe")  # loaded with load_ops; the others are pybind modules (load)
+LONGEST_BUILD = "decode_stack"  # every kernel in one translation unit: over a minute on one core
 ISA_ENV = "TOKENMILL_CPU_ISA"
 # TOKENMILL_CPU_ISA value -> the -march flag. x86-64-v3: AVX2, FMA, F16C, BMI2 (Haswell and later).
 MARCH = {"native": "-march=native", "avx2": "-march=x86-64-v3"}
@@ -205,10 +206,13 @@ def _build_one(name: str) -> bool:
 def build_missing() -> list[str]:
     """Build every extension not yet in the cache, each in a process of its own, side by side (each build is
     one compiler at a time); the names that failed. Loads nothing into this process."""
-    missing = [name for name in SOURCES if not is_built(name)]
+    # The longest build first, on a core of its own; the others share the rest. More processes than cores
+    # would only slow the longest one down.
+    missing = sorted((name for name in SOURCES if not is_built(name)), key=lambda name: name != LONGEST_BUILD)
     if not missing:
         return []
-    with ProcessPoolExecutor(len(missing), mp_context=multiprocessing.get_context("spawn")) as pool:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    with ProcessPoolExecutor(min(len(missing), cores), mp_context=multiprocessing.get_context("spawn")) as pool:
         built = list(pool.map(_build_one, missing))
     return [name for name, ok in zip(missing, built) if not ok]
 

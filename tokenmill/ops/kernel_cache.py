@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import sys
+import sysconfig
 from importlib import metadata
 from pathlib import Path
 from types import ModuleType
@@ -80,6 +81,7 @@ def _compile(
     caller holds the build lock, so any other scratch folder was left by a build that died: removed."""
     from torch.utils import cpp_extension
 
+    _put_ninja_on_path()
     for stale in lib.parent.glob(f"{SCRATCH_PREFIX}*"):
         shutil.rmtree(stale, ignore_errors=True)
     scratch = lib.parent / f"{SCRATCH_PREFIX}{os.getpid()}"
@@ -97,3 +99,11 @@ def _compile(
     os.replace(scratch / lib.name, lib)
     shutil.rmtree(scratch, ignore_errors=True)
     return loaded if python_module else str(lib)
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the one pip installs sits beside this Python, off PATH where a venv's
+    python runs without the venv activated."""
+    scripts = sysconfig.get_path("scripts")
+    if shutil.which("ninja") is None and shutil.which("ninja", path=scripts) is not None:
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
