@@ -9,8 +9,9 @@ cd "$(dirname "$0")/.."
 # and left to choose, pip would take a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q torch==2.13.0
 # The C++ kernels for this CPU (-march=native), in parallel processes, so `serve` and `LLM()` compile nothing.
-# They need torch and ninja (pyproject's pin) only, so they compile while pip installs the rest.
-.venv/bin/python -m pip install -q 'ninja>=1.11'
+# They need torch, ninja and numpy (torch warns without it) only, so they compile while pip installs the rest
+# (the pins are pyproject's).
+.venv/bin/python -m pip install -q 'ninja>=1.11' 'numpy>=1.26'
 kernels_log=$(mktemp)
 .venv/bin/python -m tokenmill.ops.build > "$kernels_log" 2>&1 &
 kernels=$!
