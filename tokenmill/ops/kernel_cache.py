@@ -3,7 +3,7 @@ under its build lock.
 
     <root>/<isa>-<key>/<extension>/<extension>.so
 
-The root is TOKENMILL_KERNEL_CACHE (default ~/.cache/tokenmill/kernels, under XDG_CACHE_HOME where set).
+The root is TOKENMILL_KERNEL_CACHE, else ~/.cache/tokenmill/kernels.
 The key is a digest of every source and header, the compiler flags and torch's and Python's versions: a
 changed source gets a folder of its own, so it never reuses, nor fights over, an older build. A folder's
 library appears by an atomic rename once its build is complete, so a library that is there is loaded as it
@@ -29,10 +29,11 @@ SCRATCH_PREFIX = "tmp-"  # <extension folder>/tmp-<pid>: one build's objects, re
 
 
 def cache_root() -> Path:
-    """The kernel cache's root folder (TOKENMILL_KERNEL_CACHE, else the user's cache folder)."""
+    """The kernel cache's root folder: TOKENMILL_KERNEL_CACHE, else ~/.cache/tokenmill/kernels. Not under
+    $TOKENMILL_CACHE: tests point that at empty folders, and each would rebuild every kernel (minutes)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "tokenmill" / "kernels"
+    return Path.home() / ".cache" / "tokenmill" / "kernels"
 
 
 def cache_folder(isa: str, csrc: Path, flags: list[str]) -> Path:
