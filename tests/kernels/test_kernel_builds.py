@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,13 @@ def test_a_broken_build_is_reported_as_failed(monkeypatch: pytest.MonkeyPatch, t
 
     monkeypatch.setattr(cpp_extension, "load", broken)
     assert build._build("cpu_ops", python_module=True) is None  # the engine's fallback path: no exception
+
+
+def test_each_library_builds_in_a_process_of_its_own() -> None:
+    # python -m tokenmill.ops.build gives each extension a process; the moe library must not need packed_gemm's ops.
+    missing = _toolchain_missing()
+    if missing is not None:
+        pytest.skip(missing)
+    code = "import sys; from tokenmill.ops import build; sys.exit(0 if build._build_one('moe') else 1)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
