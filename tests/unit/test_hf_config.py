@@ -79,6 +79,14 @@ def test_an_edited_config_json_is_resolved_again(tmp_path: Path) -> None:
     assert load_hf_config(folder).rms_norm_eps == 1e-5
 
 
+def test_copies_of_a_config_share_one_cache_entry_and_keep_their_own_path(tmp_path: Path) -> None:
+    first = _family_folder(tmp_path / "a", "qwen2")
+    second = _family_folder(tmp_path / "b", "qwen2")
+    load_hf_config(first)
+    assert load_hf_config(second).name_or_path == str(second) == AutoConfig.from_pretrained(str(second)).name_or_path
+    assert len(list((tmp_path / "cache" / "hf_configs").iterdir())) == 1
+
+
 def test_a_missing_attribute_raises_attribute_error_as_transformers_does(tmp_path: Path) -> None:
     config = load_hf_config(_family_folder(tmp_path, "llama"))
     assert getattr(config, "num_local_experts", None) is None

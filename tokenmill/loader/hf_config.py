@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 # Properties transformers computes from stored values; to_dict() leaves them out, but callers read them.
 _PROPERTIES = ("name_or_path", "num_labels", "rope_scaling")
+# Where the config was read from (the folder as given; "" for one built from values), as transformers keeps it.
+_PATH_NAMES = ("_name_or_path", "name_or_path")
 
 
 class HFConfig:
@@ -64,8 +66,7 @@ def load_hf_config(path: str | Path) -> HFConfig:
 
         return AutoConfig.from_pretrained(str(folder))
 
-    # The path as given is part of the result (name_or_path), so it is part of the key too.
-    return _cached(f"{folder}\0".encode() + config_file.read_bytes(), resolve)
+    return _cached(config_file.read_bytes(), resolve, name_or_path=str(folder))
 
 
 def config_for_model(values: dict[str, Any]) -> HFConfig:
@@ -77,18 +78,22 @@ def config_for_model(values: dict[str, Any]) -> HFConfig:
         rest = dict(values)
         return AutoConfig.for_model(rest.pop("model_type"), **rest)
 
-    return _cached(repr(sorted(values.items())).encode(), resolve)
+    return _cached(repr(sorted(values.items())).encode(), resolve, name_or_path="")
 
 
-def _cached(source: bytes, resolve: Callable[[], Any]) -> HFConfig:
+def _cached(source: bytes, resolve: Callable[[], Any], name_or_path: str) -> HFConfig:
+    """The entry keyed by `source` and the transformers version, else `resolve()`'s values, stored there. The
+    path the config was read from is the one value that depends on more than the file: it is set on load, so
+    copies of one config.json (say in temporary folders) share an entry."""
     version = importlib.metadata.version("transformers")
     key = hashlib.sha256(version.encode() + b"\0" + source).hexdigest()[:32]
     path = cache_dir() / "hf_configs" / f"{key}.txt"
     if path.is_file():
-        return HFConfig(_decode(path.read_text()))
-    values = flatten(resolve())
-    _store(path, values)
-    return HFConfig(values)
+        values = _decode(path.read_text())
+    else:
+        values = flatten(resolve())
+        _store(path, {name: value for name, value in values.items() if name not in _PATH_NAMES})
+    return HFConfig(values | dict.fromkeys(_PATH_NAMES, name_or_path))
 
 
 def flatten(config: Any) -> dict[str, Any]:
