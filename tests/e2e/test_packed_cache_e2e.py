@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from tests.tiny_models import make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.ops import packed_gemm
 from tokenmill.quant import Int8Linear, PackedFloatLinear
-from tokenmill.worker import model_loader
+from tokenmill.worker import model_loader, packed_cache
 from tokenmill.worker.packed_cache import FOLDER
 
 pytestmark = pytest.mark.skipif(not packed_gemm.available(), reason="nothing is packed without the C++ GEMM")
@@ -93,3 +94,11 @@ def test_a_damaged_cache_file_is_ignored_and_rewritten(folder: Path, cold_loads:
     cached.write_bytes(b"not a safetensors file")
     assert greedy(folder) == expected
     assert len(cold_loads) == 3 and cached.stat().st_size == size
+
+
+def test_nothing_is_cached_where_the_disk_would_fill(
+    folder: Path, cold_loads: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(packed_cache.shutil, "disk_usage", lambda _: SimpleNamespace(total=100, used=99, free=1))
+    greedy(folder)
+    assert cache_files(folder) == [] and not list((folder / FOLDER).glob(".*.tmp"))

@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,12 +107,17 @@ def write(path: Path, model: nn.Module, arena: list[str]) -> None:
     `arena`: the names of the tensors a hit reads into one huge-page arena, in its order."""
     modules = {p: _module_spec(m) for p, m in model.named_modules() if type(m).__name__ in _SHELLS}
     if not modules or any(spec is None for spec in modules.values()):
+        logger.debug("not caching the packed weights: a packed module holds more than plain attributes")
         return
     tensors = {name: t.contiguous() for name, t in model.state_dict().items()}
     metadata = {"modules": json.dumps(_tagged(modules)), packed_file.ARENA: json.dumps(arena)}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        nbytes = sum(t.nbytes for t in tensors.values())
+        if shutil.disk_usage(path.parent).free < 2 * nbytes:  # leave the disk at least as much again
+            logger.info("not caching %.1f GB of packed weights in %s: too little free disk", nbytes / 1e9, path.parent)
+            return
         save_file(tensors, str(tmp), metadata=metadata)
         os.replace(tmp, path)
     except (OSError, RuntimeError, ValueError) as e:  # a full disk or shared tensors: load cold next time
