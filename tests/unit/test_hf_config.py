@@ -87,6 +87,15 @@ def test_copies_of_a_config_share_one_cache_entry_and_keep_their_own_path(tmp_pa
     assert len(list((tmp_path / "cache" / "hf_configs").iterdir())) == 1
 
 
+def test_a_damaged_cache_entry_is_resolved_again(tmp_path: Path) -> None:
+    folder = _family_folder(tmp_path, "mixtral")
+    expected = load_hf_config(folder).to_dict()
+    (entry,) = (tmp_path / "cache" / "hf_configs").iterdir()
+    entry.write_text("{'vocab_size': 5")
+    assert load_hf_config(folder).to_dict() == expected
+    assert load_hf_config(folder).to_dict() == expected  # and written again
+
+
 def test_a_missing_attribute_raises_attribute_error_as_transformers_does(tmp_path: Path) -> None:
     config = load_hf_config(_family_folder(tmp_path, "llama"))
     assert getattr(config, "num_local_experts", None) is None

@@ -88,16 +88,26 @@ def _cached(source: bytes, resolve: Callable[[], Any], name_or_path: str) -> HFC
     version = importlib.metadata.version("transformers")
     key = hashlib.sha256(version.encode() + b"\0" + source).hexdigest()[:32]
     path = cache_dir() / "hf_configs" / f"{key}.txt"
-    if path.is_file():
-        values = _decode(path.read_text())
-    else:
-        values = flatten(resolve())
+    values = _read(path)
+    if values is None:
+        values = _flatten(resolve())
         _store(path, {name: value for name, value in values.items() if name not in _PATH_NAMES})
     return HFConfig(values | dict.fromkeys(_PATH_NAMES, name_or_path))
 
 
-def flatten(config: Any) -> dict[str, Any]:
-    """A transformers config's values (with its attribute_map aliases and computed properties) as builtins."""
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return _decode(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, SyntaxError) as exc:  # unreadable or damaged: resolved and written again
+        logger.warning("ignoring the cached model config %s: %s", path, exc)
+        return None
+
+
+def _flatten(config: Any) -> dict[str, Any]:
+    """A transformers config's values, with its attribute_map aliases and computed properties (a nested config
+    stays a transformers object, and the entry is then not cached)."""
     # to_dict() names every stored value, but writes some differently (the dtype as its name, the running
     # transformers version), so the values are read as attributes.
     names = [*config.to_dict(), *config.attribute_map, *_PROPERTIES]
