@@ -149,14 +149,17 @@ class RotaryEmbedding(nn.Module):
         self.reset_buffers()
 
     def reset_buffers(self, device: torch.device | None = None) -> None:
-        """(Re)compute the tables in fp32; called again after a model built on 'meta' is materialised."""
-        t = torch.arange(self.max_position, dtype=torch.float32)
-        if self.params["rope_type"] == "longrope":
-            freqs = _longrope_tables(self.rotary_dim, t, self.params)  # [max_position, rotary_dim / 2]
-            scale = _longrope_attention_factor(self.params)
-        else:
-            inv_freq, scale = _inv_freq(self.rotary_dim, self.params)  # [rotary_dim / 2]
-            freqs = torch.outer(t, inv_freq)  # [max_position, rotary_dim / 2]
+        """(Re)compute the tables in fp32 on the CPU, then move them to `device`; called again after a
+        model built on 'meta' is materialised. On the CPU even inside a meta-device context: torch's
+        meta arange runs its Python reference, whose first call imports torch._dynamo."""
+        with torch.device("cpu"):
+            t = torch.arange(self.max_position, dtype=torch.float32)
+            if self.params["rope_type"] == "longrope":
+                freqs = _longrope_tables(self.rotary_dim, t, self.params)  # [max_position, rotary_dim / 2]
+                scale = _longrope_attention_factor(self.params)
+            else:
+                inv_freq, scale = _inv_freq(self.rotary_dim, self.params)  # [rotary_dim / 2]
+                freqs = torch.outer(t, inv_freq)  # [max_position, rotary_dim / 2]
         self.cos = (freqs.cos() * scale).to(device)
         self.sin = (freqs.sin() * scale).to(device)
 
