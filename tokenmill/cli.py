@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, RuntimeError) as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C (say during serve's start-up): no traceback, the shell's status for SIGINT
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from tokenmill.config import (
 )
 from tokenmill.loader.generation_config import describe_sampling_defaults, load_sampling_defaults
 from tokenmill.loader.model_source import ModelSource, checkpoint_dtype, resolve_precision, resolve_source
-from tokenmill.quant import QuantOptions, check_quantization
 from tokenmill.settings import add_config_flag, add_flags, add_help_group_flag, from_namespace
 
 logger = logging.getLogger(__name__)
@@ -34,7 +33,10 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
     """The frozen config and the resolved model source (folder, tokenizer, eos ids)."""
     if args.load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {args.load_format!r}; use one of {LOAD_FORMATS}.")
-    check_quantization(args.quantization, QuantOptions(args.quantization_group_size, args.quantization_zero_point))
+    if args.quantization is not None or args.quantization_group_size is not None or args.quantization_zero_point:
+        from tokenmill.quant import QuantOptions, check_quantization  # torch: only where quantization is asked
+
+        check_quantization(args.quantization, QuantOptions(args.quantization_group_size, args.quantization_zero_point))
     source = resolve_source(args.model, args.load_format, args.quantization)
     hf_config = source.hf_config
     dtype, weight_dtype = resolve_precision(args.dtype, args.device, checkpoint_dtype(hf_config))

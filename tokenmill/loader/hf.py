@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
+
+if TYPE_CHECKING:  # torch only in hints: config resolution (serve, before the engine spawn) needs none
+    import torch
 
 
 def safetensors_files(folder: Path) -> list[Path]:

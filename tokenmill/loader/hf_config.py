@@ -25,8 +25,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tokenmill.loader.default_model import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -44,11 +42,22 @@ class HFConfig:
     def __init__(self, values: dict[str, Any]) -> None:
         self.__dict__.update(values)
 
+    def __getattribute__(self, name: str) -> Any:
+        value = object.__getattribute__(self, name)
+        if name == "dtype" and isinstance(value, str):
+            # A cached entry holds the dtype's name; the torch.dtype (as on transformers' config) is made where
+            # it is read, so resolving a config (serve, before the engine spawn) imports no torch.
+            import torch
+
+            dtype = getattr(torch, value, None)
+            return dtype if isinstance(dtype, torch.dtype) else value
+        return value
+
     def __getattr__(self, name: str) -> Any:  # only called for names that are not set
         raise AttributeError(f"the model's config has no {name!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {name: getattr(self, name) for name in self.__dict__}
 
     def __repr__(self) -> str:
         return f"HFConfig({self.__dict__!r})"
@@ -114,20 +123,19 @@ def _flatten(config: Any) -> dict[str, Any]:
     return {name: getattr(config, name) for name in names if hasattr(config, name)}
 
 
-def _encode(values: dict[str, Any]) -> str:
+def _with_dtype_name(values: dict[str, Any]) -> dict[str, Any]:
+    # transformers' config holds the checkpoint's dtype as a torch.dtype, and to_dict() writes its name.
     dtype = values.get("dtype")
-    return repr({**values, "dtype": str(dtype).removeprefix("torch.")} if dtype is not None else values)
+    return {**values, "dtype": str(dtype).removeprefix("torch.")} if dtype is not None else values
+
+
+def _encode(values: dict[str, Any]) -> str:
+    return repr(_with_dtype_name(values))
 
 
 def _decode(text: str) -> dict[str, Any]:
     values: dict[str, Any] = ast.literal_eval(text)  # literals only: int keys and tuples survive, no code runs
-    return _with_torch_dtype(values)
-
-
-def _with_torch_dtype(values: dict[str, Any]) -> dict[str, Any]:
-    # transformers' config holds the checkpoint's dtype as a torch.dtype, and to_dict() writes its name.
-    dtype = getattr(torch, str(values.get("dtype")), None)
-    return {**values, "dtype": dtype} if isinstance(dtype, torch.dtype) else values
+    return values
 
 
 def _store(path: Path, values: dict[str, Any]) -> None:
@@ -135,7 +143,7 @@ def _store(path: Path, values: dict[str, Any]) -> None:
     nan) or a read-only cache leaves it unwritten, and the next start resolves the config again."""
     text = _encode(values)
     try:
-        if _decode(text) != values:
+        if _decode(text) != _with_dtype_name(values):
             logger.debug("not caching a config whose values do not round-trip: %s", path.name)
             return
     except (ValueError, SyntaxError):
