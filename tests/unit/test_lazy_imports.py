@@ -71,13 +71,13 @@ def test_starting_the_offline_api_imports_no_config_class_or_compiler(
 
 
 def test_resolving_an_engine_config_imports_no_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The CLI resolves the engine's config (the model's HF config, dtype, quantization) before it starts an engine:
-    # torch (over a second to import) is the engine's, not that path's.
+    # `serve` imports the server and resolves the engine's config (the model's HF config, dtype, quantization)
+    # before it spawns the engine process: torch (over a second to import) is the engine's, not that path's.
     monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
     AutoConfig.for_model("llama", **TINY).save_pretrained(tmp_path / "model")
     load_hf_config(tmp_path / "model")  # resolved once, as on every start after the first
     code = (
-        "import tokenmill.cli\n"
+        "import tokenmill.cli, tokenmill.server.cli, tokenmill.server.launcher\n"
         "from tokenmill.config import EngineArgs\n"
         "from tokenmill.engine.engine_args import create_engine_config\n"
         f"create_engine_config(EngineArgs(model={str(tmp_path / 'model')!r}, load_format='dummy'))"

@@ -37,10 +37,9 @@ from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.config import EngineArgs
 from tokenmill.engine.core_client import CoreClient, ProcessCoreClient, ThreadCoreClient
-from tokenmill.engine.core_loop import EngineDeadError
 from tokenmill.engine.engine_args import create_engine_config
 from tokenmill.engine.input_processor import InputProcessor, PreparedRequest, Prompt
-from tokenmill.engine.messages import EngineSnapshot, EngineStep, NewRequest, RequestTimings
+from tokenmill.engine.messages import EngineDeadError, EngineSnapshot, EngineStep, NewRequest, RequestTimings
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.pooling_config import ModelPooling
 from tokenmill.engine.request_limits import NO_CAPS, RequestCaps

@@ -27,8 +27,6 @@ from multiprocessing.connection import Connection
 from typing import Protocol
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_loop import CoreLoop
-from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.messages import (
     COMMANDS,
     EVENTS,
@@ -83,6 +81,8 @@ class CoreClient(Protocol):
 # ---------------------------------------------------------------------- thread
 class ThreadCoreClient:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        from tokenmill.engine.engine_core import EngineCore  # torch and the model code: only where the core runs
+
         self.phases = StartupPhases(level=None)
         self.core = EngineCore(config, source, phases=self.phases)
         self.limits = self.core.scheduler.limits
@@ -94,6 +94,8 @@ class ThreadCoreClient:
         return self.phases.phases  # loaded in __init__, on this thread
 
     def start(self, on_step: OnStep, on_dead: OnDead) -> None:
+        from tokenmill.engine.core_loop import CoreLoop
+
         self._sink = _LoopSink(asyncio.get_running_loop(), on_step, on_dead)
         self._thread = threading.Thread(
             target=CoreLoop(self.core, _QueueCommands(self._commands), self._sink).run,
@@ -279,6 +281,10 @@ def run_engine_process(
     """The engine process: load the model, send EngineReady, then run the core loop until told to stop.
     `spawned_at` (time.time() in the server) times this process's start: Python, torch and our imports."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which stops us in order
+    # Imported here, not by the server process, whose path to this spawn imports no torch.
+    from tokenmill.engine.core_loop import CoreLoop
+    from tokenmill.engine.engine_core import EngineCore
+
     phases = StartupPhases(level=None)  # sent in EngineReady: the server logs them
     phases.record("imports", time.time() - spawned_at)
     configure_child_logging("engine", "tokenmill engine process: %(levelname)s %(message)s")

@@ -14,6 +14,7 @@ from tokenmill.engine.messages import (
     AddRequests,
     Command,
     EngineDead,
+    EngineDeadError,
     EngineSnapshot,
     EngineStep,
     NewRequest,
@@ -24,7 +25,7 @@ from tokenmill.engine.messages import (
 from tokenmill.outputs import EngineCoreOutput
 from tokenmill.scheduling.request import Request, RequestStatus
 
-__all__ = ["CommandSource", "CoreLoop", "EngineDeadError", "EngineSnapshot", "EventSink"]
+__all__ = ["CommandSource", "CoreLoop", "EngineSnapshot", "EventSink"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +35,6 @@ IDLE_POLL_S = 0.5
 # mean the model runner itself is broken (a lost device, corrupted state), so the loop ends and
 # the front end starts a new engine.
 MAX_FAILED_STEPS_IN_A_ROW = 3
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (a model step failed, its process died, or it was shut down)."""
 
 
 class CommandSource(Protocol):

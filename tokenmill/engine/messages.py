@@ -21,6 +21,10 @@ from tokenmill.scheduling.scheduler import AdmissionLimits
 from tokenmill.wire import Codec, Message
 
 
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (a model step failed, its process died, or it was shut down)."""
+
+
 # ---------------------------------------------------------------------- commands
 class NewRequest(Message):
     """One request (one sample of a user request) as the engine needs it to build its own `Request`."""

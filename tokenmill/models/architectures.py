@@ -6,9 +6,10 @@ loader, `tokenmill info MODEL`) imports no model code."""
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:  # hints only: the server reads what an architecture is without torch
+    from torch import nn
 
 # architecture -> "module:Class" under tokenmill.models; one file per family
 _MODELS: dict[str, str] = {

@@ -3,11 +3,12 @@ request's row of the step's token bitmask and follows the tokens it samples."""
 
 from __future__ import annotations
 
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:  # hints only: the server checks specs without torch
+    import torch
 
 
 class GrammarMatcher(Protocol):

@@ -9,13 +9,13 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import llguidance
-import torch
 
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured.compile_threads import COMPILE_THREADS
 from tokenmill.structured.compiler import GrammarCompiler, spec_key
 
 if TYPE_CHECKING:
+    import torch
     from llguidance._lib import JsonCompileOptions
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -146,6 +146,8 @@ class LLGuidanceMatcher:
         self._num_uncounted = 0
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        import torch  # the engine's side only: the server checks specs without importing torch
+
         if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
             raise ValueError("the token bitmask must be a contiguous int32 tensor on the CPU")
         words = bitmask[row]  # [num_words]; llguidance checks the byte count against its vocabulary
