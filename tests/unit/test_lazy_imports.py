@@ -72,7 +72,8 @@ def test_starting_the_offline_api_imports_no_config_class_or_compiler(
 
 def test_resolving_an_engine_config_imports_no_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # `serve` imports the server and resolves the engine's config (the model's HF config, dtype, quantization)
-    # before it spawns the engine process: torch (over a second to import) is the engine's, not that path's.
+    # before it spawns the engine process: none of that path imports torch (over a second) for itself. (A
+    # checkpoint that names its dtype still does: the engine config holds a torch.dtype.)
     monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
     AutoConfig.for_model("llama", **TINY).save_pretrained(tmp_path / "model")
     load_hf_config(tmp_path / "model")  # resolved once, as on every start after the first
