@@ -56,8 +56,14 @@ class CacheConfig:
     # CUDA: the share of the device's memory the engine may use (weights, activations, KV cache).
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # The second KV tier (tokenmill/kv_tier): GiB of evicted prefix blocks kept (None: no tier), and where
+    # the file tier lives on CPU (None: under the tokenmill cache folder).
+    kv_offloading_size: float | None = None
+    kv_offloading_path: str | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
+            raise ValueError(f"kv_offloading_size is in GiB and must be > 0, got {self.kv_offloading_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization is a share of the device's memory in (0, 1], got "
@@ -260,6 +266,19 @@ class EngineArgs:
     )
     enable_prefix_caching: bool = setting(
         True, group="cache", aliases=("--prefix-caching",), help="reuse the KV blocks of prompts seen before"
+    )
+    kv_offloading_size: float | None = setting(
+        None,
+        group="cache",
+        metavar="GiB",
+        help="a second KV tier of this many GiB: prefix blocks evicted from the KV cache are kept there and "
+        "loaded back on a hit (CPU: files that survive a restart; CUDA: host memory) (default: none)",
+    )
+    kv_offloading_path: str | None = setting(
+        None,
+        group="cache",
+        metavar="DIR",
+        help="CPU: the folder of the file tier (default: kv_tier/ under the tokenmill cache folder)",
     )
     load_format: str = setting("auto", group="model", choices=LOAD_FORMATS, help="how to read the weights")
     seed: int = setting(0, group="model", help="seed of random weights and of unseeded sampling")

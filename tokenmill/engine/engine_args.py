@@ -68,6 +68,8 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_path=args.kv_offloading_path,
     )
     scheduler = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,

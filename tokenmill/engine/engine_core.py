@@ -14,6 +14,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.process_tuning import freeze_startup_heap, keep_freed_memory
 from tokenmill.executor import Executor, ExecutorDeadError, make_executor
 from tokenmill.kv_groups import UNBOUNDED, budget_num_blocks
+from tokenmill.kv_tier.stats import KVTierStats
 from tokenmill.loader.hf import load_tokenizer
 from tokenmill.loader.model_source import ModelSource
 from tokenmill.outputs import EngineCoreOutput
@@ -178,6 +179,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.speculative, idle_chunk)
         self.num_idle_steps = 0  # consecutive steps that scheduled nothing while requests waited
         self.num_failed_steps = 0  # model steps that raised (each ended only its own requests)
+        # The second KV tier's counters (--kv-offloading-size), None without a tier.
+        self.kv_tier_stats: KVTierStats | None = None
         self.decode_stats = DecodeStepStats()
         self.last_step = StepShape()
         # Every rank reads its own shard of the weights and of the KV cache: count them all.
