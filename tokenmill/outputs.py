@@ -59,10 +59,21 @@ class SchedulerOutput:
     # req_id -> the draft tokens it verifies this step (speculative decoding): the last
     # len(drafts) of its num_scheduled_tokens, after its last committed token.
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # The second KV tier (tokenmill/kv_tier): (block id, block hash) of cached blocks evicted by this step's
+    # allocations, to copy out before the step's forward writes over them; tier blocks to read into free
+    # pool blocks; and hashes the tier drops (its LRU).
+    kv_saves: list[tuple[int, bytes]] = field(default_factory=list)
+    kv_loads: list[tuple[int, bytes]] = field(default_factory=list)
+    kv_deletes: list[bytes] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
+        """Nothing for the model to compute (tier transfers may still be due: has_kv_transfers)."""
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def has_kv_transfers(self) -> bool:
+        return bool(self.kv_saves or self.kv_loads or self.kv_deletes)
 
 
 @dataclass
@@ -79,6 +90,8 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> the pooled vector of a pooling request whose prompt this step completed.
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # Hashes of the SchedulerOutput's kv_loads that failed (missing, truncated, corrupt): misses, recomputed.
+    kv_load_failed: list[bytes] = field(default_factory=list)
 
 
 @dataclass

@@ -63,11 +63,11 @@ def test_a_salted_and_an_unsalted_request_share_no_blocks(first: str | None, sec
 def test_only_the_first_block_is_salted_later_ones_chain_from_it() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=BS)
     salted, plain = make_request("a", PROMPT_10, "s"), make_request("b", PROMPT_10)
-    h_salted, h_plain = kv._block_hashes(salted), kv._block_hashes(plain)
+    h_salted, h_plain = kv.block_hashes(salted), kv.block_hashes(plain)
     assert len(h_salted) == len(h_plain) == 2
     assert h_salted[0] != h_plain[0] and h_salted[1] != h_plain[1]  # the second differs through its parent
     # A salt is not the same as the tokens it is spelt with, nor a salt that is its prefix.
-    assert kv._block_hashes(make_request("c", PROMPT_10, "ss"))[0] != h_salted[0]
+    assert kv.block_hashes(make_request("c", PROMPT_10, "ss"))[0] != h_salted[0]
 
 
 def test_a_shared_prefix_with_the_same_salt_hits_up_to_where_the_prompts_differ() -> None:

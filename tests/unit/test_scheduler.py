@@ -16,7 +16,8 @@ from tokenmill.config import SchedulerConfig
 from tokenmill.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduling.kv_cache_manager import KVCacheManager
-from tokenmill.scheduling.request import BACKGROUND_PRIORITY, ONLINE_QUIET_S, Request, RequestStatus
+from tokenmill.scheduling.online_traffic import ONLINE_QUIET_S
+from tokenmill.scheduling.request import BACKGROUND_PRIORITY, Request, RequestStatus
 from tokenmill.scheduling.scheduler import Scheduler
 
 BS = 4

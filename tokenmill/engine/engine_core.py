@@ -14,12 +14,14 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.process_tuning import freeze_startup_heap, keep_freed_memory
 from tokenmill.executor import Executor, ExecutorDeadError, make_executor
 from tokenmill.kv_groups import UNBOUNDED, budget_num_blocks
+from tokenmill.kv_tier.index import TierIndex
 from tokenmill.kv_tier.stats import KVTierStats
 from tokenmill.loader.hf import load_tokenizer
 from tokenmill.loader.model_source import ModelSource
 from tokenmill.outputs import EngineCoreOutput
 from tokenmill.sampling_params import params_for_wire
 from tokenmill.scheduling.kv_cache_manager import KVCacheManager
+from tokenmill.scheduling.kv_tier import TierScheduler
 from tokenmill.scheduling.request import Request, RequestStatus
 from tokenmill.scheduling.scheduler import Scheduler
 from tokenmill.startup_phases import StartupPhases
@@ -149,6 +151,8 @@ class EngineCore:
         """`grammars`: a compiler to share with the front end in this process (LLM does); else its own.
         `phases` times the model load and the KV cache (recorded only, unless the caller's logs them)."""
         self.config = config
+        # The second KV tier's counters (--kv-offloading-size), None without a tier.
+        self.kv_tier_stats: KVTierStats | None = None
         phases = phases if phases is not None else StartupPhases(level=None)
         self.grammars = grammars if grammars is not None else grammar_compiler(config, source)
         self.grammar_waitlist: GrammarWaitlist[Request] = GrammarWaitlist()
@@ -160,6 +164,7 @@ class EngineCore:
             with phases.phase("KV cache"):
                 self.num_blocks = num_kv_blocks(config, self.executor)  # rank 0 decides, every rank allocates
                 self.executor.allocate_kv_cache(self.num_blocks)
+                tier_index = self._open_kv_tier() if config.cache.kv_offloading_size is not None else None
             with phases.phase("warm-up"):
                 self.executor.capture_cuda_graphs()  # CUDA only; after the cache, which the graphs read in place
         except BaseException:
@@ -176,11 +181,12 @@ class EngineCore:
         # The idle class's short chunks: prompt pieces the fused decode stack takes, steps as short as a decode.
         fused = self.runner.fused_decode
         idle_chunk = fused.MAX_QUERY_LEN if fused is not None else None
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.speculative, idle_chunk)
+        tier = None
+        if tier_index is not None and self.kv_tier_stats is not None:
+            tier = TierScheduler(self.kv_cache, tier_index, self.kv_tier_stats)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.speculative, idle_chunk, kv_tier=tier)
         self.num_idle_steps = 0  # consecutive steps that scheduled nothing while requests waited
         self.num_failed_steps = 0  # model steps that raised (each ended only its own requests)
-        # The second KV tier's counters (--kv-offloading-size), None without a tier.
-        self.kv_tier_stats: KVTierStats | None = None
         self.decode_stats = DecodeStepStats()
         self.last_step = StepShape()
         # Every rank reads its own shard of the weights and of the KV cache: count them all.
@@ -202,6 +208,38 @@ class EngineCore:
         freeze_startup_heap()
         keep_freed_memory()
 
+    def _open_kv_tier(self) -> TierIndex:
+        """Open the second KV tier's store on the runner; the index of what it holds (after a restart,
+        the blocks a file tier kept, oldest dropped beyond the capacity)."""
+        cache = self.config.cache
+        size = cache.kv_offloading_size or 0.0
+        if self.config.parallel.tensor_parallel_size > 1:
+            raise ValueError("--kv-offloading-size works with --tensor-parallel-size 1 only (for now); drop one.")
+        if self.runner.kv_groups.num_groups > 1:
+            raise ValueError("--kv-offloading-size does not serve sliding-window models (for now); drop it.")
+        if not cache.enable_prefix_caching:
+            raise ValueError("--kv-offloading-size keeps prefix-cache blocks: it needs prefix caching on.")
+        stats = KVTierStats()
+        io = self.runner.open_kv_tier(stats)
+        capacity = int(size * 2**30 // io.block_nbytes)
+        if capacity < 1:
+            raise ValueError(
+                f"--kv-offloading-size {size:g} GiB holds no KV block of {io.block_nbytes / 2**20:.2f} MiB; raise it."
+            )
+        index, over = TierIndex.of(capacity, io.store.hashes())
+        for block_hash in over:
+            io.writer.delete(block_hash)
+        self.kv_tier_stats = stats
+        logger.info(
+            "second KV tier: %d blocks of %.2f MiB (%g GiB) in %s; %d blocks kept from before",
+            capacity,
+            io.block_nbytes / 2**20,
+            size,
+            getattr(io.store, "folder", "host memory"),
+            len(index),
+        )
+        return index
+
     def add_request(self, request: Request) -> None:
         # The executor's followers get the params on the wire (a dict schema as its text).
         request.sampling_params = params_for_wire(request.sampling_params)
@@ -219,7 +257,15 @@ class EngineCore:
         return self.scheduler.has_unfinished() or len(self.grammar_waitlist) > 0
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (a no-op at tensor_parallel_size 1)."""
+        """Stop the other tensor-parallel ranks (a no-op at tensor_parallel_size 1); finish the second KV
+        tier's writes."""
+        tier_io, tier = self.runner.kv_tier, self.scheduler.kv_tier
+        if tier_io is not None and tier is not None:
+            if tier_io.store.persistent:  # the pool's prefixes too: the hottest, found after a restart
+                tier_io.close(*tier.save_pool())
+            else:
+                tier_io.close()
+            self.runner.kv_tier = None
         self.executor.shutdown()
 
     def step(self) -> list[EngineCoreOutput]:
@@ -248,7 +294,7 @@ class EngineCore:
         start = time.perf_counter()
         self.last_step = StepShape()  # until this step's model run succeeds
         sched = self.scheduler.schedule()
-        if sched.is_empty:
+        if sched.is_empty and not sched.has_kv_transfers:
             self.num_idle_steps = self.num_idle_steps + 1 if self.has_unfinished() else 0
             if self.num_idle_steps > 2:  # cannot happen if admission checks hold; never hang on it
                 return self._fail(list(self.scheduler.requests), "the scheduler could not place this request")
@@ -267,6 +313,7 @@ class EngineCore:
             self.executor.shutdown()
             return self._fail(list(self.scheduler.requests), self.dead_reason)
         except Exception as exc:  # a failed forward ends the step's requests, never the engine
+            self.scheduler.step_failed()
             self.num_failed_steps += 1
             logger.exception("model step failed; ending the %d requests in it", len(sched.num_scheduled_tokens))
             return self._fail(list(sched.num_scheduled_tokens), f"engine error during the model step: {exc!r}")

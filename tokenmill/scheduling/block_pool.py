@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 BlockHash = bytes
@@ -41,6 +42,8 @@ class BlockPool:
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, Block] = {}
         self._num_cached_free = 0  # free blocks still holding a prefix (kept up to date: read every step)
+        # Told of each cached block taken for reuse, while its KV is still there (the second KV tier saves it).
+        self.on_evict: Callable[[Block, BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -56,6 +59,10 @@ class BlockPool:
         """Share of blocks held by live requests."""
         return 1.0 - len(self._free) / self.num_blocks
 
+    def cached_blocks(self) -> list[tuple[BlockHash, Block]]:
+        """Every indexed block, the longest indexed first."""
+        return list(self._cached.items())
+
     def get_cached_block(self, block_hash: BlockHash) -> Block | None:
         return self._cached.get(block_hash)
 
@@ -66,7 +73,7 @@ class BlockPool:
         for _ in range(n):
             _, block = self._free.popitem(last=False)
             self._num_cached_free -= block.block_hash is not None
-            self._evict(block)
+            self._evict(block, reused=True)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -94,10 +101,12 @@ class BlockPool:
         # If an identical block is already indexed keep that one; this block still holds valid KV.
         self._cached.setdefault(block_hash, block)
 
-    def _evict(self, block: Block) -> None:
+    def _evict(self, block: Block, reused: bool = False) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if reused and self.on_evict is not None:
+                    self.on_evict(block, block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> None:

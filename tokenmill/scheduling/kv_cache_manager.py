@@ -70,7 +70,8 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _block_hashes(self, request: Request) -> list[BlockHash]:
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """The chained hashes of the request's full blocks (the first salted by its cache_salt)."""
         hashes = self.req_hashes.setdefault(request.req_id, [])
         num_full = request.num_tokens // self.block_size
         if len(hashes) < num_full:
@@ -82,22 +83,28 @@ class KVCacheManager:
                 hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
-        """The longest cached prefix of a request about to be scheduled: (blocks, tokens they hold).
-
-        At least one token is always left to compute, since the step must produce its logits."""
+    def can_hit(self, request: Request) -> bool:
+        """Whether the request may start from cached blocks (the pool's or the second tier's)."""
         if not self.enable_prefix_caching:
-            return [], 0
+            return False
         if request.sampling_params.prompt_logprobs is not None:
             # Prompt logprobs need the logits of every prompt position: a hit would skip some. (Of n
             # samples only the first asks for them; the others hit the blocks it leaves cached.)
+            return False
+        # Mean or first-token pooling reads the hidden state of positions a hit would skip.
+        return request.pooling_params is None or not request.pooling_params.needs_every_token
+
+    def max_hit_blocks(self, request: Request) -> int:
+        """At most this many leading blocks can be hits: the step must compute one token for its logits."""
+        return (request.num_tokens - 1) // self.block_size
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """The longest cached prefix of a request about to be scheduled: (blocks, tokens they hold)."""
+        if not self.can_hit(request):
             return [], 0
-        if request.pooling_params is not None and request.pooling_params.needs_every_token:
-            return [], 0  # mean or first-token pooling reads the hidden state of positions a hit would skip
-        hashes = self._block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self.block_hashes(request)
         hits: list[Block] = []
-        for block_hash in hashes[:max_blocks]:
+        for block_hash in hashes[: self.max_hit_blocks(request)]:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
@@ -145,7 +152,7 @@ class KVCacheManager:
         return [b.block_id for b in computed_blocks] + [b.block_id for b in new_blocks]
 
     def _window_groups_fit(self, request: Request, num_hit_blocks: int, num_slots: int) -> bool:
-        hashes = self._block_hashes(request) if self.enable_prefix_caching else []
+        hashes = self.block_hashes(request) if self.enable_prefix_caching else []
         num_blocks = self.blocks_needed(num_slots)
         return all(
             g.fits(request.req_id, request.num_computed_tokens, num_hit_blocks, hashes, num_blocks)
@@ -155,7 +162,7 @@ class KVCacheManager:
     def _allocate_window_groups(
         self, request: Request, num_hit_blocks: int, num_tokens: int, num_lookahead_tokens: int
     ) -> None:
-        hashes = self._block_hashes(request) if self.enable_prefix_caching else []
+        hashes = self.block_hashes(request) if self.enable_prefix_caching else []
         num_blocks = self.blocks_needed(num_tokens + num_lookahead_tokens)
         new_ids = []
         for group in self.window_groups:
@@ -170,7 +177,7 @@ class KVCacheManager:
         """Index the blocks that this step fills completely (their KV is written during the step)."""
         if not self.enable_prefix_caching:
             return
-        hashes = self._block_hashes(request)
+        hashes = self.block_hashes(request)
         start = self.req_num_indexed.get(request.req_id, 0)
         end = min(num_tokens // self.block_size, len(hashes))
         for i in range(start, end):

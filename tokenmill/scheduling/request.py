@@ -13,9 +13,6 @@ from tokenmill.sampling_params import SamplingParams
 # other request wants, under every scheduling policy; it keeps its blocks meanwhile unless a waiting
 # request needs them (then it is preempted). Online traffic thus never shares a step with it.
 BACKGROUND_PRIORITY = (1 << 31) - 1
-# Online traffic is "recent" this many seconds after the last online request ran: the Batch API runs one
-# line at a time then (server/batch_runner.py), and the scheduler keeps the idle class's steps short.
-ONLINE_QUIET_S = 2.0
 
 
 class RequestStatus(enum.Enum):
@@ -55,6 +52,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule
+    kv_tier_checked: bool = False  # the second KV tier was looked up for it (once per request: see tier.py)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0

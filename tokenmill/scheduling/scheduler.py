@@ -20,7 +20,9 @@ from tokenmill.outputs import (
 )
 from tokenmill.scheduling.block_pool import Block
 from tokenmill.scheduling.kv_cache_manager import KVCacheManager
-from tokenmill.scheduling.request import ONLINE_QUIET_S, Request, RequestStatus
+from tokenmill.scheduling.kv_tier import TierScheduler
+from tokenmill.scheduling.online_traffic import OnlineTraffic
+from tokenmill.scheduling.request import Request, RequestStatus
 from tokenmill.scheduling.request_queue import make_queue
 
 logger = logging.getLogger(__name__)
@@ -95,8 +97,10 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
         idle_chunk_tokens: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        kv_tier: TierScheduler | None = None,
     ) -> None:
-        """`idle_chunk_tokens`: the prompt tokens an idle-class step computes while online traffic is recent
+        """`kv_tier`: the second KV tier over `kv_cache`'s pool (None: none). `idle_chunk_tokens`: the
+        prompt tokens an idle-class step computes while online traffic is recent
         (the runner's short-step size; None: no cap). `clock`: how recent online traffic is (tests fake it)."""
         self.config = config
         self.kv_cache = kv_cache
@@ -112,7 +116,8 @@ class Scheduler:
         self._ended_since_last_step: set[str] = set()
         self._num_background = 0  # requests of the idle class (BACKGROUND_PRIORITY) not finished
         self.idle_chunk_tokens, self.clock = idle_chunk_tokens, clock
-        self._online_at = -float("inf")  # the clock's time of the last step with an online request
+        self.kv_tier = kv_tier
+        self.online = OnlineTraffic()  # on the clock: steps with an online request
         self._chunk_room: int | None = None  # this step's room for idle-class prompt tokens (None: no cap)
 
     # ------------------------------------------------------------------ requests in and out
@@ -169,19 +174,27 @@ class Scheduler:
 
         # Background requests sit out every step in which any other request runs or waits.
         idle = 0 < self._num_background < len(self.requests)
-        # Within ONLINE_QUIET_S of online traffic, their steps compute one short prompt chunk at most (beside
+        # While online traffic is recent, their steps compute one short prompt chunk at most (beside
         # their decodes): a step an arriving online request waits behind stays short.
         now = self.clock()
         if self._num_background < len(self.requests):
-            self._online_at = now
-        self._chunk_room = self.idle_chunk_tokens if now - self._online_at < ONLINE_QUIET_S else None
+            self.online.seen(now)
+        self._chunk_room = self.idle_chunk_tokens if self.online.recent(now) else None
         budget, preempted = self._schedule_running(budget, num_scheduled, spec_tokens, cached_reqs, ended, idle)
         if not preempted:
             self._schedule_waiting(budget, num_scheduled, new_reqs, ended, idle)
 
         total = sum(num_scheduled.values())
         self._record_step(num_scheduled, total)
-        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, total, ended, spec_tokens)
+        out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled, total, ended, spec_tokens)
+        if self.kv_tier is not None:
+            out.kv_saves, out.kv_loads, out.kv_deletes = self.kv_tier.take_step()
+        return out
+
+    def step_failed(self) -> None:
+        """The step's model run raised: its tier loads count as failed (their blocks go back)."""
+        if self.kv_tier is not None:
+            self.kv_tier.finish_loads(self.kv_tier.loading)
 
     @property
     def speculating(self) -> bool:
@@ -322,6 +335,9 @@ class Scheduler:
                 deferred.append(self.waiting.pop())
                 continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+            if self.kv_tier is not None and self.kv_tier.start_loads(request, computed_blocks):
+                deferred.append(self.waiting.pop())  # runs next step, from the pool and the loaded blocks
+                continue
             num_new = self._cut_to_chunk(
                 request, request.num_tokens - num_cached, min(request.num_tokens - num_cached, budget)
             )
@@ -375,6 +391,8 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        if self.kv_tier is not None:
+            self.kv_tier.finish_loads(runner_output.kv_load_failed)
         now = time.monotonic()
         pooled = runner_output.pooled
         for req_id, n in scheduler_output.num_scheduled_tokens.items():

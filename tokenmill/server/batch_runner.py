@@ -4,7 +4,7 @@ server resumes every unfinished batch where it stopped (skipping the custom_ids 
 
 Online requests go first in three ways: a line is queued in the engine only while the engine serves no
 online request (none waits, and every request it runs is a batch line); at most one line runs while
-online requests came in the last ONLINE_QUIET_S, else `--batch-max-in-flight` over all batches; and a
+online traffic is recent (scheduling/online_traffic.py), else `--batch-max-in-flight` over all batches; and a
 line carries the scheduler's idle priority (BACKGROUND_PRIORITY), so the lines already running sit out
 every step an online request wants (and give up their blocks if a waiting one needs them), and while
 online traffic is recent compute their prompts in short chunks (a step an arrival waits behind is short)."""
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from tokenmill.scheduling.request import ONLINE_QUIET_S
+from tokenmill.scheduling.online_traffic import OnlineTraffic
 from tokenmill.server.batch_exec import RetryLater, run_line
 from tokenmill.server.batch_lines import BatchLine, done_custom_ids, output_line, parse_batch_lines
 from tokenmill.server.batch_store import BatchRecord, BatchStore
@@ -30,7 +30,7 @@ from tokenmill.server.files_store import FileStore
 logger = logging.getLogger(__name__)
 
 GATE_POLL_S = 0.005  # how often a line waiting for idle capacity looks again
-# While online traffic came within ONLINE_QUIET_S, one line runs at a time: measured on 2 cores at 2 online
+# While online traffic is recent, one line runs at a time: measured on 2 cores at 2 online
 # requests/s, their p99 TTFT moved 1.05x with one line in flight, 1.63x with two, 2.66x with four (before
 # the scheduler's short idle-class chunks); a quiet server runs --batch-max-in-flight.
 
@@ -41,7 +41,7 @@ class BatchRunner:
         self._slots = asyncio.Semaphore(state.config.batch_max_in_flight)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._running = 0  # lines queued in the engine now
-        self._last_online = -ONLINE_QUIET_S  # monotonic: when the gate last saw an online request
+        self.online = OnlineTraffic()  # monotonic: when the gate saw online requests
 
     def resume_all(self) -> None:
         """Start every batch a previous server left unfinished."""
@@ -133,13 +133,13 @@ class BatchRunner:
         while True:
             now = time.monotonic()
             if engine.num_in_flight > self._running:  # streams live from their admission: waiting ones too
-                self._last_online = now
+                self.online.seen(now)
             elif not self.state.draining and engine.waiting_load()[0] == 0 and self._running < self._allowed(now):
                 return
             await asyncio.sleep(GATE_POLL_S)
 
     def _allowed(self, now: float) -> int:
-        return 1 if now - self._last_online < ONLINE_QUIET_S else self.state.config.batch_max_in_flight
+        return 1 if self.online.recent(now) else self.state.config.batch_max_in_flight
 
     def _end(self, record: BatchRecord, status: Any) -> None:
         """Finalize: the output and error files join the Files API (those with lines), then `status`."""

@@ -13,6 +13,7 @@ from tokenmill.attention.pair_layout import cache_row_width
 from tokenmill.attention.selector import get_backend
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.kv_groups import GroupLimits, KVGroupSpec
+from tokenmill.kv_tier.stats import KVTierStats
 from tokenmill.models.fused_decode import FusedDecode, unsupported_reason
 from tokenmill.models.llama import LlamaForCausalLM, head_dim_of
 from tokenmill.ops import hugepages
@@ -28,6 +29,7 @@ from tokenmill.structured.manager import StructuredOutputManager
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.draft_loader import load_draft_model
 from tokenmill.worker.input_batch import RunnerRequestState, StepBatch, build_step_batch
+from tokenmill.worker.kv_tier_io import KVTierIO, open_kv_tier
 from tokenmill.worker.model_interface import CausalLM
 from tokenmill.worker.model_loader import load_model
 from tokenmill.worker.pooler import pool_step
@@ -60,6 +62,7 @@ class ModelRunner:
         self, config: EngineConfig, folder: Path | None, eos_token_ids: list[int], grammars: GrammarCompiler
     ) -> None:
         self.config = config
+        self.folder = folder
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
@@ -85,6 +88,7 @@ class ModelRunner:
         # A *ForSequenceClassification model's head, for pooling requests that classify.
         self.classifier_head = getattr(module, "score", None)
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_tier: KVTierIO | None = None  # the second KV tier's transfers (open_kv_tier)
         # Speculative decoding: proposes each sampling request's drafts for the next step.
         self.draft: CausalLM | None = None
         self.draft_config: ModelConfig | None = None
@@ -174,6 +178,13 @@ class ModelRunner:
                 cache = torch.zeros(shape, dtype=dtype, device=self.device)
             attn.kv_cache = cache
             self.kv_caches.append(cache)
+
+    def open_kv_tier(self, stats: KVTierStats) -> KVTierIO:
+        """Open the second KV tier (--kv-offloading-size) over the allocated cache."""
+        if not self.kv_caches:
+            raise RuntimeError("allocate the KV cache before opening its second tier")
+        self.kv_tier = open_kv_tier(self.config, self.folder, self.kv_caches, stats)
+        return self.kv_tier
 
     def capture_cuda_graphs(self) -> None:
         """Capture the decode CUDA graphs (worker/cuda_graph.py) once the KV cache is allocated: the
@@ -280,16 +291,17 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        load_failed = self.kv_tier.transfer(sched) if self.kv_tier is not None and sched.has_kv_transfers else []
         states = self._update_states(sched)
         if not states:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return ModelRunnerOutput(sampled_token_ids={}, kv_load_failed=load_failed)
         num_scheduled = [sched.num_scheduled_tokens[s.req_id] for s in states]
         spec = sched.scheduled_spec_tokens
         drafts = [spec.get(s.req_id, []) for s in states] if spec else None
         pooling = bool(self.pooling_ids) and not self.pooling_ids.isdisjoint(sched.num_scheduled_tokens)
         batch = build_step_batch(states, num_scheduled, self.block_size, self.device, drafts, pooling)
         hidden = self._forward(batch)  # [num_tokens, hidden]
-        output = ModelRunnerOutput(sampled_token_ids={})
+        output = ModelRunnerOutput(sampled_token_ids={}, kv_load_failed=load_failed)
         if pooling:
             qsl = batch.attn_metadata.query_start_loc_cpu
             output.pooled = pool_step(hidden, states, qsl, self.classifier_head)
