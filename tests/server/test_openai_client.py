@@ -214,3 +214,25 @@ def test_constrained_output_and_a_named_tool_call_cross_the_engine_process(clien
     assert reply.finish_reason == "tool_calls" and reply.message.tool_calls is not None
     call = reply.message.tool_calls[0]
     assert call.function.name == "pick" and json.loads(call.function.arguments)["n"] in (1, 2, 3)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_reports_prompt_tokens_found_in_the_prefix_cache(client: openai.OpenAI, route: str, stream: bool) -> None:
+    text = f"{route} {stream}: " + "a long shared prefix that fills several KV blocks " * 4
+
+    def cached() -> int:
+        common: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 2}
+        if stream:
+            common |= {"stream": True, "stream_options": {"include_usage": True}}
+        if route == "completions":
+            out: Any = client.completions.create(prompt=text, **common)
+        else:
+            out = client.chat.completions.create(messages=chat(text), **common)  # type: ignore[arg-type]
+        usage = [c.usage for c in out if c.usage is not None][-1] if stream else out.usage
+        assert usage.prompt_tokens_details is not None
+        return int(usage.prompt_tokens_details.cached_tokens)
+
+    assert cached() == 0
+    again = cached()
+    assert again > 0 and again % 16 == 0  # whole KV blocks of 16 tokens

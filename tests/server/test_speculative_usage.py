@@ -94,7 +94,7 @@ def test_a_server_without_speculation_leaves_the_field_out(
     server: RunningServer, path: str, body: dict[str, Any], stream: bool
 ) -> None:
     usage = _usage(server, path, body, stream)
-    assert set(usage) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+    assert set(usage) == {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
 
 
 def test_the_schema_documents_the_field(server: RunningServer) -> None:

@@ -120,7 +120,12 @@ def test_async_engine_metrics_sum_the_draft_counts_of_a_requests_samples() -> No
 # ---------------------------------------------------------------------- usage in responses
 def test_usage_without_speculation_has_exactly_openais_fields() -> None:
     usage = UsageInfo(prompt_tokens=3, completion_tokens=4, total_tokens=7)
-    assert usage.model_dump() == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert usage.model_dump() == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_usage_with_speculation_reports_draft_and_accepted_tokens() -> None:

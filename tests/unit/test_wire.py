@@ -37,6 +37,7 @@ from tokenmill.executor.messages import (
     Shutdown,
     WorkerCommand,
 )
+from tokenmill.kv_tier.stats import KVTierStats
 from tokenmill.outputs import CachedRequestData, EngineCoreOutput, Logprob, NewRequestData, SchedulerOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
@@ -159,10 +160,11 @@ def test_a_step_event_keeps_every_field_by_name() -> None:
         error="boom",
         pooled=[0.5, -0.25],
     )
-    snapshot = EngineSnapshot(3, 1, 40, 0.25, 90, 2, 128, 64, 17, 5, 4, 20, 10, (4, 3), 6, 0.01, 2, 30, 1 << 40)
+    tier = KVTierStats(100, 40, 64, 4, 1, 50, 2, 1 << 33, 1 << 32, 0.125, 3)
+    snapshot = EngineSnapshot(3, 1, 40, 0.25, 90, 2, 128, 64, 17, 5, 4, 20, 10, (4, 3), 6, 0.01, 2, 30, 1 << 40, tier)
     timings = RequestTimings(1.0, 2.0, 3.0, 1, 16, 12, 7)
     step = EngineStep([output], snapshot, {"a": timings})
-    for part in (output, snapshot, timings, step):
+    for part in (output, snapshot, tier, timings, step):
         _assert_every_field_set(part)
     data = EVENTS.encode(step)
     assert EVENTS.decode(data) == step
@@ -212,7 +214,17 @@ def test_a_renamed_field_is_refused() -> None:
 def test_a_step_command_keeps_every_field_and_the_batch_order() -> None:
     new = NewRequestData("b", [1, 2], [3], PARAMS, [4, 5], 2, [[0, 8]], PoolingParams("embed", "CLS"))
     cached = CachedRequestData("a", [6], 9, [[10]])
-    sched = SchedulerOutput([new], [cached], {"b": 1, "a": 2}, 3, {"gone"}, {"a": [7]})
+    sched = SchedulerOutput(
+        [new],
+        [cached],
+        {"b": 1, "a": 2},
+        3,
+        {"gone"},
+        {"a": [7]},
+        [(4, b"\x01" * 32)],
+        [(5, b"\x02" * 32)],
+        [b"\x03" * 32],
+    )
     for part in (new, cached, sched):
         _assert_every_field_set(part)
     decoded = WORKER_COMMANDS.decode(WORKER_COMMANDS.encode(ExecuteStep(sched)))

@@ -5,6 +5,7 @@ where commands come from and where step results go differ (see core_client.py)."
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Protocol
 
@@ -164,4 +165,5 @@ class CoreLoop:
             step_decode_rows=shape.decode_rows,
             step_prefill_tokens=shape.prefill_tokens,
             step_bytes_read=shape.bytes_read,
+            kv_tier=dataclasses.replace(tier) if (tier := self.core.kv_tier_stats) is not None else None,
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenmill.kv_tier.stats import KVTierStats
 from tokenmill.outputs import EngineCoreOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams, params_for_wire
@@ -128,6 +129,7 @@ class EngineSnapshot:
     step_decode_rows: int = 0
     step_prefill_tokens: int = 0
     step_bytes_read: int = 0
+    kv_tier: KVTierStats | None = None  # the second KV tier's counters (a copy), None without a tier
 
     @classmethod
     def idle(cls, num_free_blocks: int) -> EngineSnapshot:

@@ -77,6 +77,7 @@ def panels() -> list[Panel]:
             "4 · Memory: KV blocks and process RSS",
             [
                 (f"sum by (state) ({t}kv_cache_blocks{_SEL})", "KV {{state}} blocks"),
+                (f"sum {_BY} ({t}kv_tier_blocks{_SEL})", "{{instance}} KV tier blocks"),
                 (f"sum by (process) ({t}process_resident_memory_bytes{_SEL}) / 2^20", "{{process}} RSS MiB"),
             ],
         ),

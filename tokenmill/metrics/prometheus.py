@@ -141,6 +141,25 @@ class ServerMetrics:
             "Drafts whose token at this position (0-based) was accepted.",
             ("position",),
         )
+        # The second KV tier (--kv-offloading-size); mean load latency = load_seconds / loads.
+        self.kv_tier_counters = {
+            field: counter(f"kv_tier_{field}", doc).labels(m)
+            for field, doc in (
+                ("hit_tokens", "Prompt tokens loaded from the second KV tier instead of recomputed."),
+                ("blocks_loaded", "KV blocks read back from the second tier."),
+                ("load_failures", "Tier blocks missing, truncated or corrupt when loaded (misses, recomputed)."),
+                ("blocks_saved", "KV blocks written to the second tier."),
+                ("blocks_dropped", "Evicted KV blocks not saved: the tier's writer was behind."),
+                ("bytes_written", "Bytes written to the second KV tier."),
+                ("bytes_read", "Bytes read from the second KV tier."),
+                ("load_seconds", "Seconds steps spent loading blocks from the second KV tier."),
+                ("loads", "Steps that loaded blocks from the second KV tier."),
+            )
+        }
+        self.kv_tier_blocks = gauge("kv_tier_blocks", "KV blocks held in the second tier.").labels(m)
+        self.kv_tier_capacity_blocks = gauge(
+            "kv_tier_capacity_blocks", "KV blocks the second tier holds at most."
+        ).labels(m)
         self.engine_restarts = counter(
             "engine_restarts", "New engines started after one died (killed, or model steps failing in a row)."
         ).labels(m)
@@ -167,7 +186,7 @@ class ServerMetrics:
         self._totals.steps += 1
         # The snapshot's counts are cumulative since the engine started: export what grew since the last.
 
-        def grown(count: Callable[[EngineSnapshot], int]) -> int:
+        def grown(count: Callable[[EngineSnapshot], float]) -> float:
             return max(0, count(snapshot) - (count(prev) if prev is not None else 0))
 
         self.num_preemptions.inc(grown(lambda s: s.num_preemptions))
@@ -181,6 +200,14 @@ class ServerMetrics:
             # inc(0) too: a position's series appears (at 0) once its first draft is verified
             old = before[pos] if pos < len(before) else 0
             self._spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(max(0, count - old))
+        tier = snapshot.kv_tier
+        if tier is not None:
+            before_tier = prev.kv_tier if prev is not None else None
+            for field, metric in self.kv_tier_counters.items():
+                old_value = getattr(before_tier, field) if before_tier is not None else 0
+                metric.inc(max(0, getattr(tier, field) - old_value))
+            self.kv_tier_blocks.set(tier.num_blocks)
+            self.kv_tier_capacity_blocks.set(tier.capacity_blocks)
 
     def on_tokens(self, stream: RequestStream, num_new_tokens: int, now: float) -> None:
         self.ops.on_tokens(stream, num_new_tokens)

@@ -64,8 +64,7 @@ def stop_reason(finish_reason: str | None, matched: int | str | None) -> tuple[S
 
 def usage(job: Job) -> MessageUsage:
     """Prompt tokens found in the prefix cache count as cache reads, the rest as input (Anthropic's split)."""
-    metrics = job.outputs[0].metrics if job.outputs else None
-    cached = metrics.num_cached_tokens if metrics is not None else 0
+    cached = job.num_cached_tokens
     return MessageUsage(
         input_tokens=job.num_prompt_tokens - cached,
         output_tokens=job.num_generated_tokens,

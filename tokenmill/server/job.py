@@ -15,7 +15,7 @@ from tokenmill.engine.input_processor import PreparedRequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.config import ServerState
 from tokenmill.server.errors import ENGINE_FAILED_MESSAGE, APIError
-from tokenmill.server.protocol import SpeculativeDecodingUsage, UsageInfo
+from tokenmill.server.protocol import PromptTokensDetails, SpeculativeDecodingUsage, UsageInfo
 from tokenmill.server.security import Admission
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,11 @@ class Job:
         return sum(len(p.prompt_token_ids) for p in self.prepared)
 
     @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache (once per prompt, as num_prompt_tokens counts them)."""
+        return sum(out.metrics.num_cached_tokens for out in self.outputs.values() if out.metrics is not None)
+
+    @property
     def num_generated_tokens(self) -> int:
         return sum(len(o.token_ids) for out in self.outputs.values() for o in out.outputs)
 
@@ -60,6 +65,7 @@ class Job:
             prompt_tokens=prompt,
             completion_tokens=completion,
             total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens),
             speculative_decoding=spec,
         )
 

@@ -233,10 +233,15 @@ class SpeculativeDecodingUsage(_Out):
     num_accepted_tokens: int = 0
 
 
+class PromptTokensDetails(_Out):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (the KV cache or its second tier)
+
+
 class UsageInfo(_Out):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
     # Only from a server that speculates (--speculative-config); left out of the JSON otherwise.
     speculative_decoding: SpeculativeDecodingUsage | None = None
 

@@ -241,7 +241,6 @@ def final_status(finish_reason: str | None, cancelled: bool) -> Status:
 def finished(base: ResponseObject, status: Status, output: list[OutputItem], job: Job) -> ResponseObject:
     """The response once its job has ended: status, output, usage."""
     usage = job.usage()
-    cached = sum(out.metrics.num_cached_tokens for out in job.outputs.values() if out.metrics is not None)
     return base.model_copy(
         update={
             "status": status,
@@ -251,7 +250,7 @@ def finished(base: ResponseObject, status: Status, output: list[OutputItem], job
                 input_tokens=usage.prompt_tokens,
                 output_tokens=usage.completion_tokens,
                 total_tokens=usage.total_tokens,
-                input_tokens_details=InputTokensDetails(cached_tokens=cached),
+                input_tokens_details=InputTokensDetails(cached_tokens=usage.prompt_tokens_details.cached_tokens),
             ),
         }
     )

@@ -74,6 +74,10 @@ class History:
         point["waiting"] = now.total(f"{P}num_requests_waiting")
         point["kv_blocks"] = now.by(f"{P}kv_cache_blocks", "state")
         point["kv_usage"] = now.total(f"{P}kv_cache_usage_perc")
+        # The second KV tier (--kv-offloading-size): blocks held, of its capacity, and prompt tokens/s it serves.
+        point["kv_tier_blocks"] = now.total(f"{P}kv_tier_blocks")
+        point["kv_tier_capacity_blocks"] = now.total(f"{P}kv_tier_capacity_blocks")
+        point["kv_tier_hit_tps"] = _rate(now, before, f"{P}kv_tier_hit_tokens_total", dt)
         point["rss_bytes"] = now.by(f"{P}process_resident_memory_bytes", "process")
         point["cpu_busy_cores"] = now.by(f"{P}cpu_busy_cores", "process")
         point["gpu_utilization"] = now.total(f"{P}gpu_utilization_perc")

@@ -145,9 +145,13 @@ function draw() {
     series("used blocks", (p) => (p.kv_blocks || {}).used ?? null),
     series("cached (free)", (p) => (p.kv_blocks || {}).cached ?? null),
     series("free blocks", (p) => (p.kv_blocks || {}).free ?? null),
+    ...(cur.kv_tier_capacity_blocks ? [series("KV tier blocks", (p) => p.kv_tier_blocks ?? null)] : []),
   ]);
   const rss = cur.rss_bytes || {};
-  note("memory", `KV ${fmt(100 * cur.kv_usage)}% of ${s.num_blocks} blocks · RSS ` +
+  const tier = cur.kv_tier_capacity_blocks
+    ? ` · KV tier ${fmt(cur.kv_tier_blocks)} of ${fmt(cur.kv_tier_capacity_blocks)} blocks, ${fmt(cur.kv_tier_hit_tps)} prompt tok/s from it`
+    : "";
+  note("memory", `KV ${fmt(100 * cur.kv_usage)}% of ${s.num_blocks} blocks${tier} · RSS ` +
     Object.entries(rss).map(([k, v]) => `${k} ${fmt(mib(v))} MiB`).join(", "));
 
   lineChart(canvas("latency"), [
