@@ -60,8 +60,8 @@ class SchedulerOutput:
     # len(drafts) of its num_scheduled_tokens, after its last committed token.
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     # The second KV tier (tokenmill/kv_tier): (block id, block hash) of cached blocks evicted by this step's
-    # allocations, to copy out before the step's forward writes over them; tier blocks to read into free
-    # pool blocks; and hashes the tier drops (its LRU).
+    # allocations, to copy out before the step's forward writes over them; tier blocks (fetched and checked
+    # already) to write into free pool blocks before the forward; and hashes the tier drops (its LRU).
     kv_saves: list[tuple[int, bytes]] = field(default_factory=list)
     kv_loads: list[tuple[int, bytes]] = field(default_factory=list)
     kv_deletes: list[bytes] = field(default_factory=list)
@@ -90,8 +90,6 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> the pooled vector of a pooling request whose prompt this step completed.
     pooled: dict[str, list[float]] = field(default_factory=dict)
-    # Hashes of the SchedulerOutput's kv_loads that failed (missing, truncated, corrupt): misses, recomputed.
-    kv_load_failed: list[bytes] = field(default_factory=list)
 
 
 @dataclass

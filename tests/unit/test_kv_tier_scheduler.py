@@ -1,7 +1,7 @@
 """The scheduler's side of the second KV tier (scheduling/kv_tier.py), with a fake runner whose tier
 keeps the hashes it was asked to save: evicted cached blocks are saved, a waiting request's prefix found
-in the tier is loaded into free blocks (the request sits that step out) and then counts as cached, a
-failed load is a miss, the tier's LRU deletes what it drops, and salts stay apart."""
+in the tier is loaded into free blocks in the step that admits it and counts as cached, a block that
+fails its checks ends the loaded prefix, the tier's LRU deletes what it drops, and salts stay apart."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from tokenmill.scheduling.scheduler import Scheduler
 
 
 class TierRunner(FakeRunner):
-    """A FakeRunner with a tier: saved hashes are kept; a load of one kept succeeds unless listed in
-    `corrupt`. Records every step's transfers."""
+    """A FakeRunner with a tier: saved hashes are kept (a step's saves land before its loads, as the
+    runner's do); `fetch` finds a kept block unless it is listed in `corrupt`. Records every step."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -26,20 +26,26 @@ class TierRunner(FakeRunner):
         self.corrupt: set[bytes] = set()
         self.transfers: list[SchedulerOutput] = []
 
+    def fetch(self, hashes: list[bytes]) -> int:
+        good = 0
+        for h in hashes:
+            if h not in self.stored or h in self.corrupt:
+                break
+            good += 1
+        return good
+
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.transfers.append(out)
         self.stored |= {h for _, h in out.kv_saves}
         self.stored -= set(out.kv_deletes)
-        failed = [h for _, h in out.kv_loads if h not in self.stored or h in self.corrupt]
-        result = super().execute(out)
-        result.kv_load_failed = failed
-        return result
+        return super().execute(out)
 
 
-def make_tier_scheduler(num_blocks: int, tier_blocks: int = 64) -> tuple[Scheduler, KVTierStats]:
+def make_tier_scheduler(num_blocks: int, tier_blocks: int = 64) -> tuple[Scheduler, KVTierStats, TierRunner]:
     kv = KVCacheManager(num_blocks, BS)
-    stats = KVTierStats()
-    return Scheduler(SchedulerConfig(), kv, kv_tier=TierScheduler(kv, TierIndex(tier_blocks), stats)), stats
+    stats, runner = KVTierStats(), TierRunner()
+    tier = TierScheduler(kv, TierIndex(tier_blocks), stats, runner.fetch)
+    return Scheduler(SchedulerConfig(), kv, kv_tier=tier), stats, runner
 
 
 def run(scheduler: Scheduler, runner: TierRunner, request: Request) -> list[SchedulerOutput]:
@@ -60,8 +66,7 @@ def salted(request: Request, salt: str) -> Request:
 
 
 def test_cached_blocks_taken_for_reuse_are_saved_once() -> None:
-    scheduler, stats = make_tier_scheduler(num_blocks=4)
-    runner = TierRunner()
+    scheduler, stats, runner = make_tier_scheduler(num_blocks=4)
     run(scheduler, runner, make_request("a", prompt=prompt(1000), max_tokens=1))  # 3 full blocks cached
     assert not any(out.kv_saves for out in runner.transfers)
     outs = run(scheduler, runner, make_request("b", prompt=prompt(2000, 15), max_tokens=1))
@@ -72,16 +77,15 @@ def test_cached_blocks_taken_for_reuse_are_saved_once() -> None:
 
 
 def test_a_prefix_in_the_tier_is_loaded_then_counted_as_cached() -> None:
-    scheduler, stats = make_tier_scheduler(num_blocks=4)
-    runner = TierRunner()
+    scheduler, stats, runner = make_tier_scheduler(num_blocks=4)
     first = make_request("a", prompt=prompt(1000), max_tokens=3)
     run(scheduler, runner, first)
     run(scheduler, runner, make_request("b", prompt=prompt(2000, 15), max_tokens=1))  # evicts a's blocks
     again = make_request("a2", prompt=prompt(1000), max_tokens=3)
     outs = run(scheduler, runner, again)
-    # Step 1 loads the two blocks a lookup may use (the third holds the last prompt token) and runs nothing.
-    assert len(outs[0].kv_loads) == 2 and outs[0].num_scheduled_tokens == {}
-    assert outs[1].num_scheduled_tokens == {"a2": 12 - 2 * BS}
+    # The admitting step loads the two blocks a lookup may use (the third holds the last prompt token) and
+    # computes the rest of the prompt.
+    assert len(outs[0].kv_loads) == 2 and outs[0].num_scheduled_tokens == {"a2": 12 - 2 * BS}
     assert again.num_cached_tokens == 2 * BS
     assert again.output_token_ids == first.output_token_ids == [counting(i) for i in range(3)]
     assert stats.blocks_loaded == 2 and stats.hit_tokens == 2 * BS and stats.load_failures == 0
@@ -89,24 +93,22 @@ def test_a_prefix_in_the_tier_is_loaded_then_counted_as_cached() -> None:
 
 
 def test_a_failed_load_is_a_miss_and_leaves_the_tier() -> None:
-    scheduler, stats = make_tier_scheduler(num_blocks=4)
-    runner = TierRunner()
+    scheduler, stats, runner = make_tier_scheduler(num_blocks=4)
     run(scheduler, runner, make_request("a", prompt=prompt(1000), max_tokens=1))
     run(scheduler, runner, make_request("b", prompt=prompt(2000, 15), max_tokens=1))
     first_hash = scheduler.kv_cache.block_hashes(make_request("probe", prompt=prompt(1000)))[0]
     runner.corrupt.add(first_hash)
     again = make_request("a2", prompt=prompt(1000), max_tokens=2)
     outs = run(scheduler, runner, again)
-    assert len(outs[0].kv_loads) == 2
-    assert again.num_cached_tokens == 0  # the chain breaks at its first block: all recomputed
+    assert outs[0].kv_loads == []  # the chain breaks at its first block: nothing loaded, all recomputed
+    assert again.num_cached_tokens == 0
     assert again.status == RequestStatus.FINISHED_LENGTH and again.output_token_ids == [counting(0), counting(1)]
     assert stats.load_failures == 1 and first_hash not in scheduler.kv_tier.index  # type: ignore[union-attr]
     assert_no_block_leaked(scheduler)
 
 
 def test_the_tier_drops_its_least_recently_used_blocks() -> None:
-    scheduler, stats = make_tier_scheduler(num_blocks=4, tier_blocks=3)
-    runner = TierRunner()
+    scheduler, stats, runner = make_tier_scheduler(num_blocks=4, tier_blocks=3)
     for i in range(4):
         run(scheduler, runner, make_request(str(i), prompt=prompt(1000 * (i + 1), 15), max_tokens=1))
     deletes = [h for out in runner.transfers for h in out.kv_deletes]
@@ -116,8 +118,7 @@ def test_the_tier_drops_its_least_recently_used_blocks() -> None:
 
 
 def test_a_salted_prefix_in_the_tier_serves_only_its_salt() -> None:
-    scheduler, stats = make_tier_scheduler(num_blocks=4)
-    runner = TierRunner()
+    scheduler, stats, runner = make_tier_scheduler(num_blocks=4)
     run(scheduler, runner, salted(make_request("a", prompt=prompt(1000), max_tokens=1), "key-a"))
     run(scheduler, runner, make_request("b", prompt=prompt(2000, 15), max_tokens=1))
     other = salted(make_request("c", prompt=prompt(1000), max_tokens=1), "key-b")
@@ -129,14 +130,14 @@ def test_a_salted_prefix_in_the_tier_serves_only_its_salt() -> None:
     assert same.num_cached_tokens == 2 * BS
 
 
-def test_a_failed_step_gives_its_load_blocks_back() -> None:
-    scheduler, _ = make_tier_scheduler(num_blocks=4)
-    runner = TierRunner()
+def test_a_failed_step_forgets_the_blocks_it_was_to_load() -> None:
+    scheduler, _, runner = make_tier_scheduler(num_blocks=4)
     run(scheduler, runner, make_request("a", prompt=prompt(1000), max_tokens=1))
     run(scheduler, runner, make_request("b", prompt=prompt(2000, 15), max_tokens=1))
     scheduler.add_request(make_request("a2", prompt=prompt(1000), max_tokens=1))
     out = scheduler.schedule()
     assert out.kv_loads
-    scheduler.step_failed()  # the runner raised: no result for this step
+    scheduler.step_failed(out)  # the runner raised: the loaded blocks never got their KV
     scheduler.finish_request("a2", RequestStatus.FINISHED_ERROR)
+    assert all(scheduler.kv_cache.pool.get_cached_block(h) is None for _, h in out.kv_loads)
     assert_no_block_leaked(scheduler)

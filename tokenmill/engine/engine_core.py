@@ -164,26 +164,23 @@ class EngineCore:
             with phases.phase("KV cache"):
                 self.num_blocks = num_kv_blocks(config, self.executor)  # rank 0 decides, every rank allocates
                 self.executor.allocate_kv_cache(self.num_blocks)
-                tier_index = self._open_kv_tier() if config.cache.kv_offloading_size is not None else None
+                pools = self.runner.group_pool_blocks(self.num_blocks)
+                self.kv_cache = KVCacheManager(
+                    self.num_blocks,
+                    config.cache.block_size,
+                    config.cache.enable_prefix_caching,
+                    window_groups=list(zip(self.runner.kv_groups.windows, pools[1:])),
+                )
+                tier = self._open_kv_tier() if config.cache.kv_offloading_size is not None else None
             with phases.phase("warm-up"):
                 self.executor.capture_cuda_graphs()  # CUDA only; after the cache, which the graphs read in place
         except BaseException:
             self.executor.shutdown()
             raise
         self.dead_reason: str | None = None  # set when a rank died: every later step raises
-        pools = self.runner.group_pool_blocks(self.num_blocks)
-        self.kv_cache = KVCacheManager(
-            self.num_blocks,
-            config.cache.block_size,
-            config.cache.enable_prefix_caching,
-            window_groups=list(zip(self.runner.kv_groups.windows, pools[1:])),
-        )
         # The idle class's short chunks: prompt pieces the fused decode stack takes, steps as short as a decode.
         fused = self.runner.fused_decode
         idle_chunk = fused.MAX_QUERY_LEN if fused is not None else None
-        tier = None
-        if tier_index is not None and self.kv_tier_stats is not None:
-            tier = TierScheduler(self.kv_cache, tier_index, self.kv_tier_stats)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.speculative, idle_chunk, kv_tier=tier)
         self.num_idle_steps = 0  # consecutive steps that scheduled nothing while requests waited
         self.num_failed_steps = 0  # model steps that raised (each ended only its own requests)
@@ -208,9 +205,9 @@ class EngineCore:
         freeze_startup_heap()
         keep_freed_memory()
 
-    def _open_kv_tier(self) -> TierIndex:
-        """Open the second KV tier's store on the runner; the index of what it holds (after a restart,
-        the blocks a file tier kept, oldest dropped beyond the capacity)."""
+    def _open_kv_tier(self) -> TierScheduler:
+        """Open the second KV tier: its store on the runner, and the scheduler's index of what it holds
+        (after a restart, the blocks a file tier kept, the oldest dropped beyond the capacity)."""
         cache = self.config.cache
         size = cache.kv_offloading_size or 0.0
         if self.config.parallel.tensor_parallel_size > 1:
@@ -238,7 +235,7 @@ class EngineCore:
             getattr(io.store, "folder", "host memory"),
             len(index),
         )
-        return index
+        return TierScheduler(self.kv_cache, index, stats, io.fetch)
 
     def add_request(self, request: Request) -> None:
         # The executor's followers get the params on the wire (a dict schema as its text).
@@ -313,7 +310,7 @@ class EngineCore:
             self.executor.shutdown()
             return self._fail(list(self.scheduler.requests), self.dead_reason)
         except Exception as exc:  # a failed forward ends the step's requests, never the engine
-            self.scheduler.step_failed()
+            self.scheduler.step_failed(sched)
             self.num_failed_steps += 1
             logger.exception("model step failed; ending the %d requests in it", len(sched.num_scheduled_tokens))
             return self._fail(list(sched.num_scheduled_tokens), f"engine error during the model step: {exc!r}")

@@ -101,6 +101,12 @@ class BlockPool:
         # If an identical block is already indexed keep that one; this block still holds valid KV.
         self._cached.setdefault(block_hash, block)
 
+    def forget(self, block: Block) -> None:
+        """Drop a block from the prefix-cache index (its KV is not what its hash says)."""
+        if block.block_hash is not None and block.ref_cnt == 0:
+            self._num_cached_free -= 1
+        self._evict(block)
+
     def _evict(self, block: Block, reused: bool = False) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:

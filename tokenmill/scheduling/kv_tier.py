@@ -1,14 +1,17 @@
-"""The scheduler's side of the second KV tier (tokenmill/kv_tier): which evicted blocks to save, which
-tier blocks a waiting request can load, and what a step's loads came to.
+"""The scheduler's side of the second KV tier (tokenmill/kv_tier): which evicted blocks to save, and which
+tier blocks a waiting request loads.
 
-A waiting request whose prefix continues in the tier past the pool's hits gets free pool blocks, and the
-step's SchedulerOutput names the (block, hash) pairs to load; the request sits that step out. After the
-step each loaded block is indexed in the pool's prefix cache and freed (to the free queue's tail: evicted
-last), so the request's next lookup finds it like any other pool hit; a failed load is a miss, dropped
-from the index. A request looks in the tier once: a prefix loaded and evicted again before it ran is
-recomputed rather than loaded in a loop."""
+On admission, a request whose prefix continues in the tier past the pool's hits has those blocks read and
+checked at once (`fetch`, the runner's: the tier needs the runner in the engine core's process), written
+into free pool blocks at the start of this step (SchedulerOutput.kv_loads, before the forward) and indexed
+in the pool's prefix cache, so the request's lookup finds them like any other pool hit and it runs in this
+very step. A block that fails its checks ends the loaded prefix there (a miss, dropped from the index). A
+request looks in the tier once: a prefix loaded and evicted again before it ran is recomputed, not loaded
+in a loop."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from tokenmill.kv_tier.index import TierIndex
 from tokenmill.kv_tier.stats import KVTierStats
@@ -16,34 +19,27 @@ from tokenmill.scheduling.block_pool import Block, BlockHash
 from tokenmill.scheduling.kv_cache_manager import KVCacheManager
 from tokenmill.scheduling.request import Request
 
+# Reads and checks the tier blocks of these hashes, in order, keeping them for this step's loads; returns
+# how many leading ones are good (the first bad one ends the prefix).
+Fetch = Callable[[list[bytes]], int]
+
 
 class TierScheduler:
-    def __init__(self, kv_cache: KVCacheManager, index: TierIndex, stats: KVTierStats) -> None:
+    def __init__(self, kv_cache: KVCacheManager, index: TierIndex, stats: KVTierStats, fetch: Fetch) -> None:
         self.kv_cache = kv_cache
         self.index = index
         self.stats = stats
+        self.fetch = fetch
         stats.capacity_blocks = index.capacity_blocks
         stats.num_blocks = len(index)
-        # This step's transfers, handed out by take_step(); loads are kept until the step's result.
+        # This step's transfers, handed out by take_step().
         self._saves: dict[BlockHash, int] = {}  # hash -> pool block id, in eviction order
         self._deletes: dict[BlockHash, None] = {}
         self._loads: list[tuple[Block, BlockHash]] = []
-        self._held: list[Block] = []  # pool hits of the loading requests, held so the loads cannot evict them
-        kv_cache.pool.on_evict = self._on_evict
-
-    def _on_evict(self, block: Block, block_hash: BlockHash) -> None:
-        """A cached block is taken for reuse: save it unless the tier holds its hash already."""
-        self._save(block, block_hash)
-
-    def save_pool(self) -> tuple[list[tuple[int, bytes]], list[bytes]]:
-        """(saves, deletes) that copy every prefix the pool holds into the tier (at shutdown, into a tier
-        that outlives the process: a restart then finds the hottest prefixes too)."""
-        for block_hash, block in self.kv_cache.pool.cached_blocks():
-            self._save(block, block_hash)
-        saves, _, deletes = self.take_step()
-        return saves, deletes
+        kv_cache.pool.on_evict = self._save
 
     def _save(self, block: Block, block_hash: BlockHash) -> None:
+        """A cached block is taken for reuse: save it unless the tier holds its hash already."""
         if block_hash in self.index:
             return
         for dropped in self.index.add(block_hash):
@@ -53,51 +49,52 @@ class TierScheduler:
         self._saves[block_hash] = block.block_id
         self.stats.num_blocks = len(self.index)
 
-    def start_loads(self, request: Request, pool_hits: list[Block]) -> bool:
-        """Load the request's blocks found in the tier after its pool hits into free pool blocks this
-        step; True when loads were started (the request then waits for the next step)."""
+    def save_pool(self) -> tuple[list[tuple[int, bytes]], list[bytes]]:
+        """(saves, deletes) that copy every prefix the pool holds into the tier (at shutdown, into a tier
+        that outlives the process: a restart then finds the hottest prefixes too)."""
+        for block_hash, block in self.kv_cache.pool.cached_blocks():
+            self._save(block, block_hash)
+        saves, _, deletes = self.take_step()
+        return saves, deletes
+
+    def load(self, request: Request, pool_hits: list[Block]) -> bool:
+        """Load the request's blocks found in the tier after its pool hits into free pool blocks, indexed
+        as cached; True when any were (its prefix-cache lookup then finds them)."""
         if request.kv_tier_checked or not self.kv_cache.can_hit(request):
             return False
         request.kv_tier_checked = True
         hashes = self.kv_cache.block_hashes(request)[len(pool_hits) : self.kv_cache.max_hit_blocks(request)]
         pool = self.kv_cache.pool
-        num_matched = self.index.match(hashes)
-        if num_matched == 0:
+        num = self.index.match(hashes)
+        if num == 0:
             return False
-        pool.touch(pool_hits)
-        self._held.extend(pool_hits)
-        num = min(num_matched, pool.num_free_blocks)
-        # Taking free blocks may evict cached ones: _on_evict saves them first (the runner saves, then loads).
-        self._loads.extend(zip(pool.get_new_blocks(num), hashes[:num]))
-        return True
-
-    @property
-    def loading(self) -> list[bytes]:
-        """Hashes this step loads."""
-        return [h for _, h in self._loads]
+        pool.touch(pool_hits)  # taking free blocks must not evict the hits the loads extend
+        num = min(num, pool.num_free_blocks)
+        # Taking free blocks may evict cached ones: they are saved first (the runner saves, then loads).
+        blocks = pool.get_new_blocks(num)
+        good = self.fetch(hashes[:num])
+        if good < num:
+            self.index.discard(hashes[good])
+            self.stats.load_failures += 1
+        for block, block_hash in zip(blocks[:good], hashes):
+            pool.cache_block(block, block_hash)
+            self._loads.append((block, block_hash))
+        self.stats.blocks_loaded += good
+        self.stats.hit_tokens += good * self.kv_cache.block_size
+        self.stats.num_blocks = len(self.index)
+        pool.free_blocks([*reversed(blocks), *pool_hits])  # loaded blocks to the tail, the prefix's head last
+        return good > 0
 
     def take_step(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]], list[bytes]]:
         """(saves, loads, deletes) for this step's SchedulerOutput."""
         saves = [(block_id, h) for h, block_id in self._saves.items()]
         loads = [(block.block_id, h) for block, h in self._loads]
         deletes = list(self._deletes)
-        self._saves, self._deletes = {}, {}
+        self._saves, self._deletes, self._loads = {}, {}, []
         return saves, loads, deletes
 
-    def finish_loads(self, failed: list[bytes]) -> None:
-        """After the step (failed: the hashes whose loads failed; every one when the step failed): index
-        the step's loaded blocks in the pool's prefix cache and free them; failures are misses."""
-        bad = set(failed)
+    def step_failed(self, loads: list[tuple[int, bytes]]) -> None:
+        """The step that was to write `loads` into the pool raised: those blocks hold no such KV."""
         pool = self.kv_cache.pool
-        for block, block_hash in self._loads:
-            if block_hash in bad:
-                self.index.discard(block_hash)
-                self.stats.load_failures += 1
-            else:
-                pool.cache_block(block, block_hash)
-                self.stats.blocks_loaded += 1
-                self.stats.hit_tokens += self.kv_cache.block_size
-        pool.free_blocks([block for block, _ in reversed(self._loads)])  # the prefix's head evicted last
-        pool.free_blocks(self._held)
-        self._loads, self._held = [], []
-        self.stats.num_blocks = len(self.index)
+        for block_id, _ in loads:
+            pool.forget(pool.blocks[block_id])

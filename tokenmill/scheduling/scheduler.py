@@ -191,10 +191,10 @@ class Scheduler:
             out.kv_saves, out.kv_loads, out.kv_deletes = self.kv_tier.take_step()
         return out
 
-    def step_failed(self) -> None:
-        """The step's model run raised: its tier loads count as failed (their blocks go back)."""
+    def step_failed(self, sched: SchedulerOutput) -> None:
+        """The step's model run raised: blocks it was to load from the tier hold no such KV."""
         if self.kv_tier is not None:
-            self.kv_tier.finish_loads(self.kv_tier.loading)
+            self.kv_tier.step_failed(sched.kv_loads)
 
     @property
     def speculating(self) -> bool:
@@ -335,9 +335,8 @@ class Scheduler:
                 deferred.append(self.waiting.pop())
                 continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
-            if self.kv_tier is not None and self.kv_tier.start_loads(request, computed_blocks):
-                deferred.append(self.waiting.pop())  # runs next step, from the pool and the loaded blocks
-                continue
+            if self.kv_tier is not None and self.kv_tier.load(request, computed_blocks):
+                computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)  # with the loaded ones
             num_new = self._cut_to_chunk(
                 request, request.num_tokens - num_cached, min(request.num_tokens - num_cached, budget)
             )
@@ -391,8 +390,6 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        if self.kv_tier is not None:
-            self.kv_tier.finish_loads(runner_output.kv_load_failed)
         now = time.monotonic()
         pooled = runner_output.pooled
         for req_id, n in scheduler_output.num_scheduled_tokens.items():

@@ -34,28 +34,36 @@ class KVTierIO:
         self.block_nbytes = sum(self.layer_nbytes)
         self.store = store
         self.writer = TierWriter(store, stats, max(MAX_PENDING_BYTES, 4 * self.block_nbytes))
+        self._fetched: dict[bytes, torch.Tensor] = {}  # read for this step's loads: hash -> payload
 
-    def transfer(self, sched: SchedulerOutput) -> list[bytes]:
-        """The step's saves (before its forward overwrites the evicted blocks), deletes, then loads;
-        returns the hashes whose loads failed."""
+    def fetch(self, hashes: list[bytes]) -> int:
+        """Read and check the tier blocks of `hashes`, in order, for this step's loads; how many leading
+        ones are good (the scheduler's TierScheduler.fetch: it runs on the scheduler's side of the step)."""
+        start = time.perf_counter()
+        good = 0
+        for block_hash in hashes:
+            payload = self.writer.get(block_hash, self.block_nbytes)
+            if payload is None:
+                break
+            self._fetched[block_hash] = payload
+            good += 1
+        self.stats.bytes_read += good * self.block_nbytes
+        self.stats.load_seconds += time.perf_counter() - start
+        self.stats.loads += 1
+        return good
+
+    def transfer(self, sched: SchedulerOutput) -> None:
+        """The step's saves (before its forward overwrites the evicted blocks), deletes, then loads of the
+        blocks fetched while it was scheduled."""
         for block_id, block_hash in sched.kv_saves:
             self.writer.submit(block_hash, self._gather(block_id))
         for block_hash in sched.kv_deletes:
             self.writer.delete(block_hash)
-        if not sched.kv_loads:
-            return []
         start = time.perf_counter()
-        failed = []
         for block_id, block_hash in sched.kv_loads:
-            payload = self.writer.get(block_hash, self.block_nbytes)
-            if payload is None:
-                failed.append(block_hash)
-                continue
-            self._scatter(block_id, payload)
-            self.stats.bytes_read += self.block_nbytes
+            self._scatter(block_id, self._fetched.pop(block_hash))
+        self._fetched.clear()  # fetched for a step that never ran
         self.stats.load_seconds += time.perf_counter() - start
-        self.stats.loads += 1
-        return failed
 
     def _gather(self, block_id: int) -> torch.Tensor:
         payload = torch.empty(self.block_nbytes, dtype=torch.uint8)  # [block_nbytes]

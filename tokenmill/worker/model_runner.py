@@ -291,17 +291,18 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        load_failed = self.kv_tier.transfer(sched) if self.kv_tier is not None and sched.has_kv_transfers else []
+        if self.kv_tier is not None and sched.has_kv_transfers:
+            self.kv_tier.transfer(sched)  # before the forward: it writes over evicted blocks, reads loaded ones
         states = self._update_states(sched)
         if not states:
-            return ModelRunnerOutput(sampled_token_ids={}, kv_load_failed=load_failed)
+            return ModelRunnerOutput(sampled_token_ids={})
         num_scheduled = [sched.num_scheduled_tokens[s.req_id] for s in states]
         spec = sched.scheduled_spec_tokens
         drafts = [spec.get(s.req_id, []) for s in states] if spec else None
         pooling = bool(self.pooling_ids) and not self.pooling_ids.isdisjoint(sched.num_scheduled_tokens)
         batch = build_step_batch(states, num_scheduled, self.block_size, self.device, drafts, pooling)
         hidden = self._forward(batch)  # [num_tokens, hidden]
-        output = ModelRunnerOutput(sampled_token_ids={}, kv_load_failed=load_failed)
+        output = ModelRunnerOutput(sampled_token_ids={})
         if pooling:
             qsl = batch.attn_metadata.query_start_loc_cpu
             output.pooled = pool_step(hidden, states, qsl, self.classifier_head)
