@@ -75,6 +75,21 @@ def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     slo = p.add_argument_group("SLOs (p99; with --profile they bound the throughput per replica)")
     slo.add_argument("--ttft-slo-ms", type=float, default=None)
     slo.add_argument("--tpot-slo-ms", type=float, default=None)
+    cache = p.add_argument_group("prefix cache (with --profile)")
+    cache.add_argument(
+        "--cached-prompt-share",
+        type=float,
+        default=0.0,
+        help="share of prompt tokens found in the prefix cache (the KV cache or its second tier): not computed "
+        "(see usage.prompt_tokens_details.cached_tokens / prompt_tokens, or tokenmill:prefix_cache_hits)",
+    )
+    cache.add_argument(
+        "--cached-load-us",
+        type=float,
+        default=0.0,
+        help="microseconds to read one cached token back from a second KV tier (rate(kv_tier_load_seconds) / "
+        "rate(kv_tier_hit_tokens)); 0 for the KV cache's own blocks (default)",
+    )
     p.add_argument("--json", action="store_true", help='print the plan as JSON (with a "replicas" key)')
     p.add_argument("--plot", default=None, metavar="FILE.png", help="with --profile: throughput against p99 latency")
     p.set_defaults(func=cmd_plan)
@@ -98,6 +113,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
         ttft_slo_ms=args.ttft_slo_ms,
         tpot_slo_ms=args.tpot_slo_ms,
         profile=args.profile,
+        cached_prompt_share=args.cached_prompt_share,
+        cached_load_us=args.cached_load_us,
     )
     try:
         if args.plot is not None and args.profile is None:

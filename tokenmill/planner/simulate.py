@@ -5,7 +5,9 @@ Each step the running requests that finished their prompts decode one token each
 arrival order, up to max_num_seqs requests in flight (the scheduler's rules: running before waiting, chunked
 prefill). A step lasts what `StepCosts` says. A request's first token comes at the end of the step that
 finishes its prompt; each later token at the end of a decode step. The KV cache is assumed large enough
-(no preemption): plan the cache so that holds.
+(no preemption): plan the cache so that holds. A prompt's cached share (StepCosts.cached_prompt_share) is
+never computed: its first chunk starts after it, and the step that admits it also reads it back
+(cached_load_per_token_s each).
 """
 
 from __future__ import annotations
@@ -94,12 +96,15 @@ def simulate(
                 break
             chunks.append((flight, min(budget, flight.prompt - flight.prefilled)))
             budget -= chunks[-1][1]
+        load_s = 0.0
         while waiting and budget > 0 and len(running) < costs.max_num_seqs:
             flight = waiting.pop(0)
             running.append(flight)
-            chunks.append((flight, min(budget, flight.prompt)))
+            flight.prefilled = costs.cached_tokens(flight.prompt)
+            load_s += flight.prefilled * costs.cached_load_per_token_s
+            chunks.append((flight, min(budget, flight.prompt - flight.prefilled)))
             budget -= chunks[-1][1]
-        clock += costs.step_seconds(len(decoding), sum(n for _, n in chunks))
+        clock += costs.step_seconds(len(decoding), sum(n for _, n in chunks)) + load_s
         steps += 1
         rows_total += len(decoding)
         for flight in decoding:

@@ -8,7 +8,7 @@ profile's $/hour is used whenever a profile is named and `--cost-per-hour` is no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tokenmill.planner.bench_file import load_bench
@@ -43,6 +43,8 @@ class PlanRequest:
     cost_per_hour: float | None = None
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
+    cached_prompt_share: float = 0.0  # with --profile: see StepCosts
+    cached_load_us: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,17 @@ def resolve_all(request: PlanRequest) -> Resolved:
         if slo is not None:
             require_positive(flag, slo)  # before the simulation compares against it
     calibration = load_profile(request.profile) if request.profile is not None else None
+    if calibration is None and (request.cached_prompt_share or request.cached_load_us):
+        raise ValueError(
+            "--cached-prompt-share and --cached-load-us need --profile FILE.json: they change its simulation."
+        )
+    if calibration is not None:
+        costs = replace(
+            calibration.costs,
+            cached_prompt_share=request.cached_prompt_share,
+            cached_load_per_token_s=request.cached_load_us * 1e-6,
+        )
+        calibration = replace(calibration, costs=costs)
     bench = load_bench(request.from_bench) if request.from_bench is not None else None
     measured = calibration or bench
     avg_input = _pick(request.input_tokens, measured.avg_input_tokens if measured else None, "--input-tokens")

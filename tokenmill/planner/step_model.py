@@ -29,6 +29,11 @@ class StepCosts:
     prefill_per_token_s: float
     max_num_seqs: int
     max_num_batched_tokens: int
+    # The workload's share of prompt tokens found in the prefix cache (the KV cache, or its second tier
+    # with --kv-offloading-size): never computed; each costs `cached_load_per_token_s` to read back (0 for
+    # the KV cache's own blocks; a tier's load time per token, e.g. kv_tier_load_seconds / hit_tokens).
+    cached_prompt_share: float = 0.0
+    cached_load_per_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.decode_base_s > 0 or not self.decode_per_row_s >= 0 or not self.prefill_per_token_s >= 0:
@@ -38,6 +43,15 @@ class StepCosts:
             )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1.")
+        if not 0.0 <= self.cached_prompt_share < 1.0 or not self.cached_load_per_token_s >= 0:
+            raise ValueError(
+                f"--cached-prompt-share is a share in [0, 1) and --cached-load-us >= 0 (got "
+                f"{self.cached_prompt_share}, {self.cached_load_per_token_s * 1e6:g})."
+            )
+
+    def cached_tokens(self, prompt: int) -> int:
+        """Of a `prompt`-token prompt, the tokens found in the prefix cache (its last is always computed)."""
+        return min(prompt - 1, int(prompt * self.cached_prompt_share))
 
     def step_seconds(self, rows: int, prefill_tokens: int) -> float:
         return self.decode_base_s + self.decode_per_row_s * rows + self.prefill_per_token_s * prefill_tokens
