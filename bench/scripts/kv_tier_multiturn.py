@@ -198,7 +198,7 @@ def main() -> None:
     # The restart: each conversation's next turn (its whole history a prefix) on a new server.
     longer = Workload(args.conversations, args.turns + 1, args.system, args.user, args.answer)
     next_turns = longer.order(range(args.turns, args.turns + 1))
-    fits = Workload(max(2, args.conversations // 8), args.turns, args.system, args.user, args.answer, seed=7)
+    fits = Workload(max(2, args.conversations // 4), args.turns, args.system, args.user, args.answer, seed=7)
     fits_args = ["--num-kv-blocks", str(2 * fits.working_set_tokens // BLOCK), common[2], common[3]]
 
     results: dict[str, Any] = {}
