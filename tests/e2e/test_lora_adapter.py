@@ -15,12 +15,12 @@ from tests.tiny_models import hf_model, make_tiny_model
 from tokenmill.lora import LoRARequest
 from tokenmill.lora.adapter import TARGET_MODULES, load_adapter
 
-peft = pytest.importorskip("peft")
-
 
 def make_adapter(base: Path, dest: Path, seed: int = 0, **lora: Any) -> tuple[Path, Any]:
     """A PEFT adapter on the tiny model in `base` with random non-zero B (PEFT starts B at zero); returns
-    its folder and the PEFT model."""
+    its folder and the PEFT model. PEFT is imported here, not at collection: it imports triton, and the
+    Triton kernel tests must import it first, under TRITON_INTERPRET=1."""
+    peft = pytest.importorskip("peft")
     torch.manual_seed(seed)
     options: dict[str, Any] = {"r": 4, "lora_alpha": 8, "target_modules": list(TARGET_MODULES)} | lora
     model = peft.get_peft_model(hf_model(base), peft.LoraConfig(**options))
