@@ -16,5 +16,5 @@ class KVTierStats:
     blocks_dropped: int = 0  # evicted blocks not saved: the writer was behind (the step never waits)
     bytes_written: int = 0
     bytes_read: int = 0
-    load_seconds: float = 0.0  # total time steps spent loading blocks (the step waits for its loads)
-    loads: int = 0  # steps that loaded blocks
+    load_seconds: float = 0.0  # time spent reading blocks and copying them into the pool (in the step)
+    loads: int = 0  # tier lookups that read blocks (one per admitted request whose prefix was there)

@@ -153,7 +153,7 @@ class ServerMetrics:
                 ("bytes_written", "Bytes written to the second KV tier."),
                 ("bytes_read", "Bytes read from the second KV tier."),
                 ("load_seconds", "Seconds steps spent loading blocks from the second KV tier."),
-                ("loads", "Steps that loaded blocks from the second KV tier."),
+                ("loads", "Requests whose prefix was read from the second KV tier."),
             )
         }
         self.kv_tier_blocks = gauge("kv_tier_blocks", "KV blocks held in the second tier.").labels(m)

@@ -60,7 +60,7 @@ class BlockPool:
         return 1.0 - len(self._free) / self.num_blocks
 
     def cached_blocks(self) -> list[tuple[BlockHash, Block]]:
-        """Every indexed block, the longest indexed first."""
+        """Every indexed block (hash, block), in the order they were indexed."""
         return list(self._cached.items())
 
     def get_cached_block(self, block_hash: BlockHash) -> Block | None:

@@ -47,7 +47,6 @@ class TierScheduler:
                 self._deletes[dropped] = None
         self._deletes.pop(block_hash, None)  # the save rewrites it
         self._saves[block_hash] = block.block_id
-        self.stats.num_blocks = len(self.index)
 
     def save_pool(self) -> tuple[list[tuple[int, bytes]], list[bytes]]:
         """(saves, deletes) that copy every prefix the pool holds into the tier (at shutdown, into a tier
@@ -81,7 +80,6 @@ class TierScheduler:
             self._loads.append((block, block_hash))
         self.stats.blocks_loaded += good
         self.stats.hit_tokens += good * self.kv_cache.block_size
-        self.stats.num_blocks = len(self.index)
         pool.free_blocks([*reversed(blocks), *pool_hits])  # loaded blocks to the tail, the prefix's head last
         return good > 0
 
@@ -91,6 +89,7 @@ class TierScheduler:
         loads = [(block.block_id, h) for block, h in self._loads]
         deletes = list(self._deletes)
         self._saves, self._deletes, self._loads = {}, {}, []
+        self.stats.num_blocks = len(self.index)
         return saves, loads, deletes
 
     def step_failed(self, loads: list[tuple[int, bytes]]) -> None:

@@ -52,7 +52,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule
-    kv_tier_checked: bool = False  # the second KV tier was looked up for it (once per request: see tier.py)
+    kv_tier_checked: bool = False  # the second KV tier was looked up for it (once per request: scheduling/kv_tier.py)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
