@@ -31,6 +31,8 @@ from typing import Any
 
 import httpx
 
+from tokenmill.bench.hardware_info import cpu_model_name, isa_flags
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak import ROOT, Server  # noqa: E402  (a sibling script: how a benchmark runs `tokenmill serve`)
 
@@ -192,7 +194,8 @@ def main() -> None:
     result = {
         "benchmark": "batch_with_online",
         "machine": platform.processor() or platform.machine(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_model_name(),
+        "cpu_isa": [name for name, present in isa_flags().items() if present],
         "model": "embedded default (SmolLM2-135M-Instruct)",
         "online": {"rate_per_s": args.rate, "max_tokens": ONLINE_MAX_TOKENS, "stream": True},
         "batch_max_tokens": BATCH_MAX_TOKENS,
@@ -208,13 +211,6 @@ def main() -> None:
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 if __name__ == "__main__":

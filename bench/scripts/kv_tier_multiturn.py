@@ -40,6 +40,8 @@ from typing import Any
 
 import httpx
 
+from tokenmill.bench.hardware_info import cpu_model_name, isa_flags
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak import ROOT, Server  # noqa: E402  (a sibling script: how a benchmark runs `tokenmill serve`)
 
@@ -222,7 +224,8 @@ def main() -> None:
 
     report = {
         "benchmark": "kv_tier_multiturn",
-        "cpu": _cpu_name(),
+        "cpu": cpu_model_name(),
+        "cpu_isa": [name for name, present in isa_flags().items() if present],
         "machine": platform.machine(),
         "model": "embedded default (SmolLM2-135M-Instruct), bf16 KV cache",
         "workload": {
@@ -250,13 +253,6 @@ def main() -> None:
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=2))
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 if __name__ == "__main__":
