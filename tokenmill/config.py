@@ -163,6 +163,28 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (tokenmill/lora): `max_loras` resident at once (the most distinct adapters in one
+    step), ranks up to `max_lora_rank`, and `max_cpu_loras` read adapters kept in memory for reuse."""
+
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism: each layer's weights split across `tensor_parallel_size` ranks, one process (or
     Ray actor) per rank, started by `distributed_executor_backend` ("mp": local processes, "ray")."""
@@ -213,6 +235,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs, no fused CPU decode stack
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig | None = None  # None: LoRA adapters off
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -330,6 +353,12 @@ class EngineArgs:
         group="parallel",
         choices=DISTRIBUTED_EXECUTOR_BACKENDS,
         help="what starts the tensor-parallel ranks: mp (local processes) or ray (a placement group)",
+    )
+    enable_lora: bool = setting(False, group="lora", help="serve LoRA adapters (requests name one; see --lora-modules)")
+    max_loras: int = setting(4, group="lora", help="adapters resident at once: the most distinct ones in one step")
+    max_lora_rank: int = setting(16, group="lora", help="the highest adapter rank served")
+    max_cpu_loras: int | None = setting(
+        None, group="lora", help="adapters kept read in memory, beyond the resident ones (default: --max-loras)"
     )
 
 

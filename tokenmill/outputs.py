@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.lora_request import LoRARequest
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
@@ -36,6 +37,7 @@ class NewRequestData:
     # KV layer groups 1, 2, ... (sliding-window layers: tokenmill/kv_groups.py): each one's block ids.
     group_block_ids: list[list[int]] = field(default_factory=list)
     pooling_params: PoolingParams | None = None  # a pooling request: never sampled
+    lora_request: LoRARequest | None = None  # the adapter its rows run with (None: the base model)
 
 
 @dataclass

@@ -23,6 +23,7 @@ GROUPS = {
     "parallel": "parallel: tensor-parallel ranks",
     "quantization": "quantization: weights stored in fewer bits",
     "speculative": "speculative decoding",
+    "lora": "LoRA: fine-tuned adapters over the base model, batched together",
     "network": "network: address and TLS",
     "auth": "auth: API keys and who may do what",
     "limits": "limits: what one request or client may ask",

@@ -39,6 +39,7 @@ from tokenmill.executor.messages import (
 )
 from tokenmill.kv_tier.stats import KVTierStats
 from tokenmill.outputs import CachedRequestData, EngineCoreOutput, Logprob, NewRequestData, SchedulerOutput
+from tokenmill.lora_request import LoRARequest
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.scheduling.request import Request, RequestStatus
@@ -102,8 +103,9 @@ PARAMS = SamplingParams(
 def test_an_add_command_keeps_every_field_and_the_prefill_leader() -> None:
     _assert_every_field_set(PARAMS)
     pooling = PoolingParams("classify", "MEAN", normalize=False)
+    lora = LoRARequest("sql", 3, "/adapters/sql")
     leader = Request("r#0", [1, 2, 3], PARAMS, frozenset({2, 9}), -1, 12.5, cache_salt="s", pooling_params=pooling)
-    child = Request("r#1", [1, 2, 3], PARAMS, frozenset({2, 9}), -1, 12.5, leader, "s", pooling)
+    child = Request("r#1", [1, 2, 3], PARAMS, frozenset({2, 9}), -1, 12.5, leader, "s", pooling, lora)
     sent = AddRequests(7, [NewRequest.of(leader), NewRequest.of(child)])
     _assert_every_field_set(sent)
     _assert_every_field_set(sent.requests[1])
@@ -113,7 +115,7 @@ def test_an_add_command_keeps_every_field_and_the_prefill_leader() -> None:
     assert [r.req_id for r in built] == ["r#0", "r#1"]
     assert built[1].prefill_leader is built[0] and built[0].prefill_leader is None
     assert built[0].sampling_params == PARAMS and built[0].eos_token_ids == frozenset({2, 9})
-    assert built[1].pooling_params == pooling
+    assert built[1].pooling_params == pooling and built[1].lora_request == lora
 
 
 @pytest.mark.parametrize(
@@ -212,7 +214,7 @@ def test_a_renamed_field_is_refused() -> None:
 
 # ---------------------------------------------------------------------- tensor-parallel ranks
 def test_a_step_command_keeps_every_field_and_the_batch_order() -> None:
-    new = NewRequestData("b", [1, 2], [3], PARAMS, [4, 5], 2, [[0, 8]], PoolingParams("embed", "CLS"))
+    new = NewRequestData("b", [1, 2], [3], PARAMS, [4, 5], 2, [[0, 8]], PoolingParams("embed", "CLS"), LoRARequest("a", 1, "/a"))
     cached = CachedRequestData("a", [6], 9, [[10]])
     sched = SchedulerOutput(
         [new],

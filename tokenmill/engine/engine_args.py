@@ -13,6 +13,7 @@ from tokenmill.config import (
     CacheConfig,
     EngineArgs,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -87,6 +88,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
         enforce_eager=args.enforce_eager,
         speculative=speculative,
         parallel=resolve_parallel(args, hf_config, speculative),
+        lora=resolve_lora(args),
     )
     logger.info("%s", describe_sampling_defaults(model.generation_config, model.sampling_defaults))
     return config, source
@@ -118,6 +120,15 @@ def resolve_parallel(args: EngineArgs, hf_config: Any, speculative: SpeculativeC
         if args.device not in ("cpu", "cuda"):
             raise ValueError(f"tensor parallelism runs on cpu (gloo) or cuda (NCCL), not {args.device!r}.")
     return parallel
+
+
+def resolve_lora(args: EngineArgs) -> LoRAConfig | None:
+    """The checked LoRAConfig (None: LoRA off), and nothing asked that adapters do not serve yet."""
+    if not args.enable_lora:
+        return None
+    if args.tensor_parallel_size > 1:
+        raise ValueError("LoRA adapters are served with tensor_parallel_size 1 only (for now).")
+    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
 
 
 def describe_speculative(spec: SpeculativeConfig | None) -> str:

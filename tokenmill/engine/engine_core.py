@@ -181,7 +181,10 @@ class EngineCore:
         # The idle class's short chunks: prompt pieces the fused decode stack takes, steps as short as a decode.
         fused = self.runner.fused_decode
         idle_chunk = fused.MAX_QUERY_LEN if fused is not None else None
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.speculative, idle_chunk, kv_tier=tier)
+        max_loras = config.lora.max_loras if config.lora is not None else None
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_cache, config.speculative, idle_chunk, kv_tier=tier, max_loras=max_loras
+        )
         self.num_idle_steps = 0  # consecutive steps that scheduled nothing while requests waited
         self.num_failed_steps = 0  # model steps that raised (each ended only its own requests)
         self.decode_stats = DecodeStepStats()

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.chat_template import chat_prompt_token_ids
 from tokenmill.engine.request_limits import NO_CAPS, RequestCaps, check_pooling_prompt, resolve_max_tokens
+from tokenmill.lora.checker import AdapterChecker
+from tokenmill.lora_request import LoRARequest
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduling.request import Request
@@ -50,15 +52,18 @@ class InputProcessor:
         eos_token_ids: list[int],
         limits: AdmissionLimits,
         grammars: GrammarChecker | None = None,
+        loras: AdapterChecker | None = None,
     ) -> None:
         """`grammars` checks structured_outputs: the engine's own compiler where the engine runs in this
         process (LLM: the engine's compile is then a cache hit), else a check without the tokenizer
-        (the engine, in its process, compiles each grammar once)."""
+        (the engine, in its process, compiles each grammar once). `loras` checks a request's LoRA
+        adapter against the base model once (None: the engine serves no adapters)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.limits = limits
         self.grammars = grammars if grammars is not None else LLGuidanceChecker(tokenizer)
+        self.loras = loras
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -113,15 +118,18 @@ class InputProcessor:
         prompt_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
         caps: RequestCaps = NO_CAPS,
+        lora_request: LoRARequest | None = None,
     ) -> PreparedRequest:
         """Validate everything before anything is queued: a bad request raises ValueError and
-        leaves the engine untouched. `cache_salt` keeps the request's prefix-cache blocks apart from
+        leaves the engine untouched. `lora_request`: the adapter to run with (checked here: its files,
+        rank and shapes), None for the base model. `cache_salt` keeps the request's prefix-cache blocks apart from
         those of requests with another salt (or none); a dict prompt may carry its own "cache_salt".
         max_tokens is resolved here, once (request_limits.py): None takes the caps' default, or the
         room the prompt leaves; min_tokens is clamped to it."""
         if cache_salt is None and isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt")
         check_cache_salt(cache_salt)
+        self.check_lora(lora_request)
         if prompt_token_ids is None:
             text, ids = self.tokenize(prompt)
         else:
@@ -135,7 +143,19 @@ class InputProcessor:
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)  # a bad schema, regex or grammar: ValueError
         children = self._fan_out(request_id, ids, params, priority, cache_salt)
+        for child in children:
+            child.lora_request = lora_request
         return PreparedRequest(request_id, text, ids, params, children)
+
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """A ValueError unless `lora_request` is None or an adapter this engine can serve."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")
+        if self.loras is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True (--enable-lora).")
+        self.loras.check(lora_request)
 
     def process_pooling(
         self,

@@ -20,6 +20,8 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.pooling_config import ModelPooling
 from tokenmill.engine.request_metrics import merge_request_metrics
 from tokenmill.loader.hf import load_tokenizer
+from tokenmill.lora.checker import AdapterChecker
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput, ScoringOutput
 from tokenmill.pooling_params import PoolingTask, check_dimensions, cosine, score_logit, truncate_embedding
 from tokenmill.sampling_params import SamplingParams
@@ -66,7 +68,9 @@ class LLM:
         grammars = llguidance_grammars(self.tokenizer, vocab_size, eos)
         self.engine = EngineCore(self.config, source, grammars, phases)
         phases.ready()
-        self.inputs = InputProcessor(self.tokenizer, vocab_size, eos, self.engine.scheduler.limits, grammars)
+        lora = self.config.lora
+        loras = AdapterChecker(self.config.model.hf_config, lora.max_lora_rank) if lora is not None else None
+        self.inputs = InputProcessor(self.tokenizer, vocab_size, eos, self.engine.scheduler.limits, grammars, loras)
         self.pooling = ModelPooling.of(source.folder, self.config.model.hf_config)
         self._ids = itertools.count()
         # Holds the engine, not self: runs once, at shutdown(), when this LLM is garbage, or at exit.
@@ -99,19 +103,22 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}); outputs come
         back in prompt order. Every prompt is validated before any is queued. `cache_salt` (for every
         prompt; a dict prompt's own "cache_salt" otherwise) keeps their prefix-cache blocks apart from
-        other salts'."""
+        other salts'. `lora_request`: the LoRA adapter for every prompt, or one per prompt (None: the
+        base model); requests for different adapters and the base share steps."""
         if self.pooling.classifier:
             raise ValueError("this model is a classifier (*ForSequenceClassification): use score or classify.")
         prompt_list = _as_prompt_list(prompts)
         params = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompt_list), "sampling_params")
         priorities = _broadcast(list(priority) if priority is not None else 0, len(prompt_list), "priority")
+        loras = _broadcast(lora_request, len(prompt_list), "lora_request")
         prepared = [
-            self.inputs.process(str(next(self._ids)), p, sp, prio, cache_salt=cache_salt)
-            for p, sp, prio in zip(prompt_list, params, priorities)
+            self.inputs.process(str(next(self._ids)), p, sp, prio, cache_salt=cache_salt, lora_request=lora)
+            for p, sp, prio, lora in zip(prompt_list, params, priorities, loras)
         ]
         return self._run(prepared, use_tqdm)
 
@@ -125,6 +132,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         cache_salt: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation (with `tools`, OpenAI's tool objects,
         and `chat_template_kwargs`, the template's extra variables such as enable_thinking, if given),
@@ -142,7 +150,9 @@ class LLM:
             }
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
+        return self.generate(
+            prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt, lora_request=lora_request
+        )
 
     def stream(
         self,
@@ -151,13 +161,17 @@ class LLM:
         *,
         chat: bool = False,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that changed it (`delta_text` holds the new
         text); with chat=True the prompt is a list of messages."""
         params = sampling_params or self.get_default_sampling_params()
         if chat:
             prompt = {"prompt_token_ids": self.inputs.chat_token_ids(prompt)}  # type: ignore[arg-type]
-        yield from self._iterate([self.inputs.process(str(next(self._ids)), prompt, params, cache_salt=cache_salt)])
+        request = self.inputs.process(
+            str(next(self._ids)), prompt, params, cache_salt=cache_salt, lora_request=lora_request
+        )
+        yield from self._iterate([request])
 
     # ------------------------------------------------------------------ pooling
     def embed(

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmill.kv_tier.stats import KVTierStats
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import EngineCoreOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams, params_for_wire
@@ -39,6 +40,7 @@ class NewRequest(Message):
     prefill_leader_id: str | None  # the sibling that computes the shared prompt first (n > 1)
     cache_salt: str | None
     pooling_params: PoolingParams | None = None  # a pooling request (see pooling_params.py)
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     @classmethod
     def of(cls, request: Request) -> NewRequest:
@@ -53,6 +55,7 @@ class NewRequest(Message):
             None if leader is None else leader.req_id,
             request.cache_salt,
             request.pooling_params,
+            request.lora_request,
         )
 
     @property
@@ -75,6 +78,7 @@ def build_requests(specs: list[NewRequest]) -> list[Request]:
             prefill_leader=None if spec.prefill_leader_id is None else built.get(spec.prefill_leader_id),
             cache_salt=spec.cache_salt,
             pooling_params=spec.pooling_params,
+            lora_request=spec.lora_request,
         )
     return list(built.values())
 

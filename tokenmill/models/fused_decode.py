@@ -22,6 +22,7 @@ from torch import nn
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.distributed.communication import all_reduce_
 from tokenmill.distributed.parallel_state import tp_world_size
+from tokenmill.models.layers.lora import LoRALinear
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.ops import build
 from tokenmill.quant.bf16 import PackedFloatLinear
@@ -76,6 +77,13 @@ class FusedDecode:
         self.model = model
         self._stack: Any = None
         self._caches: list[torch.Tensor] = []
+        self._loras: list[dict[str, LoRALinear]] = []
+
+    def bind_loras(self, layers: list[dict[str, LoRALinear]]) -> None:
+        """Each layer's LoRA slots (qkv, o, gate_up, down: tokenmill.lora.slots), read in place by steps
+        that pass runs of adapted rows."""
+        self._loras = layers
+        self._stack = None
 
     def _bind(self, caches: list[torch.Tensor]) -> Any:
         model = self.model
@@ -103,6 +111,11 @@ class FusedDecode:
                 _packed(mlp.down_proj),
                 cache,
             )
+        for i, linears in enumerate(self._loras):
+            pairs = [
+                (linears[name].a, linears[name].bt, linears[name].pieces) for name in ("qkv", "o", "gate_up", "down")
+            ]
+            stack.set_lora(i, pairs)
         if tp_world_size() > 1:  # the C++ step calls back for the vocab-parallel lookup and the all-reduces
             stack.set_tensor_parallel(all_reduce_, model.embed_tokens)
         self._caches = caches
@@ -113,6 +126,7 @@ class FusedDecode:
         input_ids: torch.Tensor,  # [num_tokens] each request's query tokens, request by request
         positions: torch.Tensor,  # [num_tokens]
         meta: AttentionMetadata,  # at most MAX_QUERY_LEN query tokens per request
+        lora_runs: torch.Tensor | None = None,  # [num_runs, 4] int64 (slot, start, end, rank): adapted rows
     ) -> torch.Tensor:
         """The final normed hidden states, [num_tokens, hidden]."""
         caches = [layer.self_attn.kv_cache for layer in self.model.layers]
@@ -122,6 +136,7 @@ class FusedDecode:
             raise RuntimeError(f"the fused decode stack reads a float32, bf16 or int8 KV cache, not {caches[0].dtype}")
         if self._stack is None or any(a is not b for a, b in zip(caches, self._caches)):
             self._stack = self._bind(caches)
-        return self._stack.forward(
-            input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc
-        )
+        args = (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+        if lora_runs is not None and lora_runs.numel():
+            return self._stack.forward_lora(*args, lora_runs)
+        return self._stack.forward(*args)

@@ -22,6 +22,7 @@ from tokenmill.distributed.communication import all_reduce_
 from tokenmill.distributed.parallel_state import tp_world_size
 from tokenmill.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from tokenmill.models.layers.linear import MergedLinear, RowParallelLinear
+from tokenmill.models.layers.lora import LoRALinear
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters
 from tokenmill.models.llama import Attention, head_dim_of, load_tensor
 
@@ -69,10 +70,18 @@ class GemmaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
         self.tensor_parallel = tp_world_size() > 1
+        self.gate_up_lora: LoRALinear | None = None  # LoRA adapters' updates (set by tokenmill.lora)
+        self.down_lora: LoRALinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate / N] each
-        out = self.down_proj(F.gelu(gate, approximate="tanh") * up)  # [num_tokens, hidden], partial under TP
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate / N]
+        if self.gate_up_lora is not None:
+            self.gate_up_lora.add_to(x, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = F.gelu(gate, approximate="tanh") * up
+        out = self.down_proj(h)  # [num_tokens, hidden], partial under TP
+        if self.down_lora is not None:
+            self.down_lora.add_to(h, out)
         return all_reduce_(out) if self.tensor_parallel else out
 
 

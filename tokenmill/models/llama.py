@@ -19,7 +19,14 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.distributed.communication import all_reduce_
 from tokenmill.distributed.parallel_state import tp_world_size
 from tokenmill.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
-from tokenmill.models.layers.linear import MergedLinear, QKVLinear, RowParallelLinear, default_weight_loader
+from tokenmill.models.layers.linear import (
+    MergedLinear,
+    QKVLinear,
+    RowParallelLinear,
+    default_weight_loader,
+    silu_and_mul,
+)
+from tokenmill.models.layers.lora import LoRALinear
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
@@ -89,6 +96,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         # Bound by the model runner once the cache is allocated: [2, num_blocks, block_size, Hkv, D].
         self.kv_cache: torch.Tensor | None = None
+        # LoRA adapters' updates to qkv_proj and o_proj (set by tokenmill.lora when adapters are served).
+        self.qkv_lora: LoRALinear | None = None
+        self.o_lora: LoRALinear | None = None
 
     def forward(
         self,
@@ -99,6 +109,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [num_tokens, (Hq + 2 * Hkv) * D]
+        if self.qkv_lora is not None:
+            self.qkv_lora.add_to(hidden, qkv)
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
@@ -120,7 +132,11 @@ class Attention(nn.Module):
             sliding_window=self.sliding_window,
             logit_softcap=self.logit_softcap,
         )
-        out = self.o_proj(out.reshape(n, self.num_heads * self.head_dim))  # [num_tokens, hidden], partial
+        out = out.reshape(n, self.num_heads * self.head_dim)
+        projected = self.o_proj(out)  # [num_tokens, hidden], partial
+        if self.o_lora is not None:
+            self.o_lora.add_to(out, projected)
+        out = projected
         return all_reduce_(out) if self.tensor_parallel else out
 
 
@@ -131,10 +147,20 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
         self.tensor_parallel = tp_world_size() > 1
+        # LoRA adapters' updates to gate_up_proj and down_proj (set by tokenmill.lora).
+        self.gate_up_lora: LoRALinear | None = None
+        self.down_lora: LoRALinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # silu(gate) * up: [num_tokens, intermediate / N]; then [num_tokens, hidden], partial under TP
-        out = self.down_proj(self.gate_up_proj.silu_and_mul(x))
+        if self.gate_up_lora is None or self.down_lora is None or not self.gate_up_lora.context.runs:
+            out = self.down_proj(self.gate_up_proj.silu_and_mul(x))
+            return all_reduce_(out) if self.tensor_parallel else out
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]: the update lands before the activation
+        self.gate_up_lora.add_to(x, gate_up)
+        h = silu_and_mul(gate_up)
+        out = self.down_proj(h)
+        self.down_lora.add_to(h, out)
         return all_reduce_(out) if self.tensor_parallel else out
 
 

@@ -24,11 +24,17 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
-def salt_extra_key(cache_salt: str | None) -> bytes:
-    """The first block's extra hash key for a request's cache salt (b"" without one, as before salts)."""
-    if cache_salt is None:
-        return b""
-    return b"salt\0" + cache_salt.encode("utf-8", "surrogatepass")
+def first_block_extra_key(request: Request) -> bytes:
+    """The first block's extra hash key: the request's cache salt and its LoRA adapter (b"" with neither,
+    as before salts). An adapter's KV differs from the base's: it is keyed by the adapter's name and
+    folder, which (unlike its int id) stay the same across restarts, for the second KV tier's files."""
+    key = b""
+    if request.cache_salt is not None:
+        key += b"salt\0" + request.cache_salt.encode("utf-8", "surrogatepass")
+    lora = request.lora_request
+    if lora is not None:
+        key += b"lora\0" + f"{lora.lora_name}\0{lora.lora_path}".encode("utf-8", "surrogatepass")
+    return key
 
 
 class KVCacheManager:
@@ -71,7 +77,7 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_hashes(self, request: Request) -> list[BlockHash]:
-        """The chained hashes of the request's full blocks (the first salted by its cache_salt)."""
+        """The chained hashes of the request's full blocks (the first keyed by its cache_salt and adapter)."""
         hashes = self.req_hashes.setdefault(request.req_id, [])
         num_full = request.num_tokens // self.block_size
         if len(hashes) < num_full:
@@ -79,7 +85,7 @@ class KVCacheManager:
             bs = self.block_size
             for i in range(len(hashes), num_full):
                 parent = hashes[i - 1] if i else None
-                extra = salt_extra_key(request.cache_salt) if i == 0 else b""
+                extra = first_block_extra_key(request) if i == 0 else b""
                 hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
         return hashes
 

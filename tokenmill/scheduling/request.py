@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from tokenmill.lora_request import LoRARequest
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
@@ -48,6 +49,8 @@ class Request:
     # A pooling request (an embedding, a classification): prefilled, never samples, and finishes with
     # its pooled hidden state once the prompt is computed.
     pooling_params: PoolingParams | None = None
+    # The LoRA adapter the request runs with (None: the base model); its prefix-cache blocks are its own.
+    lora_request: LoRARequest | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

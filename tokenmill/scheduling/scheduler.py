@@ -98,10 +98,13 @@ class Scheduler:
         idle_chunk_tokens: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         kv_tier: TierScheduler | None = None,
+        max_loras: int | None = None,
     ) -> None:
         """`kv_tier`: the second KV tier over `kv_cache`'s pool (None: none). `idle_chunk_tokens`: the
         prompt tokens an idle-class step computes while online traffic is recent
-        (the runner's short-step size; None: no cap). `clock`: how recent online traffic is (tests fake it)."""
+        (the runner's short-step size; None: no cap). `clock`: how recent online traffic is (tests fake it).
+        `max_loras`: the most distinct LoRA adapters among running requests (the runner's resident
+        slots; None: LoRA off)."""
         self.config = config
         self.kv_cache = kv_cache
         self.speculative = speculative
@@ -117,6 +120,7 @@ class Scheduler:
         self._num_background = 0  # requests of the idle class (BACKGROUND_PRIORITY) not finished
         self.idle_chunk_tokens, self.clock = idle_chunk_tokens, clock
         self.kv_tier = kv_tier
+        self.max_loras = max_loras
         self.online = OnlineTraffic()  # on the clock: steps with an online request
         self._chunk_room: int | None = None  # this step's room for idle-class prompt tokens (None: no cap)
 
@@ -325,11 +329,16 @@ class Scheduler:
         idle: bool,
     ) -> None:
         deferred: list[Request] = []
+        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             leader = request.prefill_leader
             if leader is not None and not leader.is_finished and not leader.prompt_done():
                 deferred.append(self.waiting.pop())  # let its sibling fill the prefix cache first
+                continue
+            lora = request.lora_request
+            if lora is not None and lora.lora_int_id not in loras and len(loras) >= (self.max_loras or 0):
+                deferred.append(self.waiting.pop())  # every adapter slot is taken: wait for one to free
                 continue
             if request.background and (idle or self._chunk_room == 0):
                 deferred.append(self.waiting.pop())
@@ -359,6 +368,8 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if lora is not None:
+                loras.add(lora.lora_int_id)
             num_scheduled[request.req_id] = num_new
             new_reqs.append(
                 NewRequestData(
@@ -370,6 +381,7 @@ class Scheduler:
                     num_computed_tokens=num_cached,
                     group_block_ids=self.kv_cache.new_group_block_ids,
                     pooling_params=request.pooling_params,
+                    lora_request=request.lora_request,
                 )
             )
             budget -= num_new

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.lora_request import LoRARequest
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
@@ -33,6 +34,7 @@ class RunnerRequestState:
     # A pooling request: never samples; `pooled` gathers its pooled rows over its prompt chunks.
     pooling_params: PoolingParams | None = None
     pooled: torch.Tensor | None = None  # [hidden] float32: the MEAN sum so far, or the CLS row
+    lora_request: LoRARequest | None = None  # the adapter its rows run (None: the base model)
 
     def position_seed(self, offset: int, salt: int = 0) -> int:
         """A seeded request's seed for the position `offset` tokens after its last one: its samples

@@ -14,6 +14,7 @@ from tokenmill.attention.selector import get_backend
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.kv_groups import GroupLimits, KVGroupSpec
 from tokenmill.kv_tier.stats import KVTierStats
+from tokenmill.lora.slots import LoRASlots
 from tokenmill.models.fused_decode import FusedDecode, unsupported_reason
 from tokenmill.models.llama import LlamaForCausalLM, head_dim_of
 from tokenmill.ops import hugepages
@@ -57,6 +58,15 @@ def _model_kv_bytes_per_block(config: EngineConfig, hf_config: Any) -> int:
     return per_token * config.cache.block_size
 
 
+def _adapter_id(state: RunnerRequestState) -> int:
+    return 0 if state.lora_request is None else state.lora_request.lora_int_id
+
+
+def _dtype(config: EngineConfig) -> torch.dtype:
+    """The activations' dtype (what LoRA updates are computed in)."""
+    return cast(torch.dtype, getattr(torch, config.model.dtype))
+
+
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, folder: Path | None, eos_token_ids: list[int], grammars: GrammarCompiler
@@ -94,6 +104,12 @@ class ModelRunner:
         self.draft_config: ModelConfig | None = None
         self.proposer: Proposer | None = self._make_proposer()
         self.cuda_graphs: CudaGraphRunner | None = None  # set by capture_cuda_graphs
+        # LoRA adapters (--enable-lora): their slots in every adapted layer; None: no adapters served.
+        self.loras: LoRASlots | None = None
+        if config.lora is not None:
+            self.loras = LoRASlots(module, config.lora, config.model.hf_config, _dtype(config), self.device)
+            if self.fused_decode is not None:
+                self.fused_decode.bind_loras(self.loras.layers)
         self.cuda_graph_capture_s: float | None = None
 
     def _make_proposer(self) -> Proposer | None:
@@ -276,6 +292,7 @@ class ModelRunner:
                 group_block_ids=[list(ids) for ids in new.group_block_ids],
                 generator=torch.Generator(self.device) if params.seed is not None else None,
                 pooling_params=new.pooling_params,
+                lora_request=new.lora_request,
             )
             if new.pooling_params is not None:
                 self.pooling_ids.add(new.req_id)
@@ -296,12 +313,21 @@ class ModelRunner:
         states = self._update_states(sched)
         if not states:
             return ModelRunnerOutput(sampled_token_ids={})
+        if self.loras is not None and any(s.lora_request is not None for s in states):
+            states.sort(key=_adapter_id)  # each adapter's rows one run (models/layers/lora.py)
         num_scheduled = [sched.num_scheduled_tokens[s.req_id] for s in states]
         spec = sched.scheduled_spec_tokens
         drafts = [spec.get(s.req_id, []) for s in states] if spec else None
         pooling = bool(self.pooling_ids) and not self.pooling_ids.isdisjoint(sched.num_scheduled_tokens)
         batch = build_step_batch(states, num_scheduled, self.block_size, self.device, drafts, pooling)
-        hidden = self._forward(batch)  # [num_tokens, hidden]
+        if self.loras is None:
+            hidden = self._forward(batch)  # [num_tokens, hidden]
+        else:
+            adapted = self.loras.begin_step([s.lora_request for s in states], num_scheduled)
+            try:
+                hidden = self._forward(batch, adapted)
+            finally:
+                self.loras.end_step()
         output = ModelRunnerOutput(sampled_token_ids={})
         if pooling:
             qsl = batch.attn_metadata.query_start_loc_cpu
@@ -319,16 +345,17 @@ class ModelRunner:
             self._propose(len(states), batch.sample_req_ids, output)
         return output
 
-    def _forward(self, batch: StepBatch) -> torch.Tensor:
+    def _forward(self, batch: StepBatch, adapted: bool = False) -> torch.Tensor:
         """A decode step that fits a captured graph replays it (its output is a view, valid until the
         graph's next replay); on CPU a step whose requests have at most FusedDecode.MAX_QUERY_LEN query
         tokens each (decode rows, verification of drafts) runs the fused C++ stack; every other step
-        runs eagerly."""
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+        runs eagerly. `adapted`: some rows run LoRA adapters (never in a graph: it holds no updates)."""
+        if not adapted and self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             return self.cuda_graphs.run(batch)
         meta = batch.attn_metadata
         if self.fused_decode is not None and meta.max_query_len <= FusedDecode.MAX_QUERY_LEN:
-            return self.fused_decode(batch.input_ids, batch.positions, meta)
+            lora_runs = self.loras.context.runs_tensor if adapted and self.loras is not None else None
+            return self.fused_decode(batch.input_ids, batch.positions, meta, lora_runs)
         return self.model(batch.input_ids, batch.positions, batch.attn_metadata)
 
     def _sample(self, hidden: torch.Tensor, batch: StepBatch, output: ModelRunnerOutput) -> None:

@@ -89,12 +89,7 @@ class MergedLinear(Linear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a [gate | up] projection (the MLP's): [num_tokens, in] -> [num_tokens, out / 2].
         The packed layers that replace this one on CPU (tokenmill.quant) fuse it into their GEMM."""
-        gate_up = self(x)  # [num_tokens, 2 * intermediate]
-        ops = cpu_ops(gate_up)
-        if ops is not None:
-            return ops.silu_and_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(self(x))
 
     def _shard_index(self, shard_id: str | int | None) -> int:
         if not isinstance(shard_id, int):
@@ -140,3 +135,12 @@ class QKVLinear(MergedLinear):
 
     def _source_start(self, i: int) -> int:
         return self.tp_rank * self.q_size if i == 0 else self.kv_head_start * self.head_dim
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a [num_tokens, 2 * n] [gate | up] output: [num_tokens, n]."""
+    ops = cpu_ops(gate_up)
+    if ops is not None:
+        return ops.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

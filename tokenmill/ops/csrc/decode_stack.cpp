@@ -52,10 +52,33 @@ inline at::Tensor linear_silu_mul(const PackedLinear& w, const at::Tensor& x) {
 // A verification step's query: 1 + k tokens per sequence, k up to 8 draft tokens.
 constexpr int64_t kMaxQueryLen = 9;
 
+// One adapted linear layer's LoRA adapters, stacked by slot (models/layers/lora.py): a [slots, R, in],
+// bt [slots, R, out] float32; an adapter of rank r uses the first pieces * r rows of its slot.
+struct LoRASlots {
+  at::Tensor a, bt;
+  int64_t pieces = 0;
+};
+
+// out[start:end] += x[start:end] @ A.T @ B.T for each run of rows (slot, start, end, rank) in `runs`
+// ([num_runs, 4] int64): each adapter's update on its own rows, after the base GEMM of every row.
+inline void add_lora(const LoRASlots& w, const at::Tensor& x, at::Tensor& out, const at::Tensor& runs) {
+  if (!w.a.defined()) return;
+  const int64_t* r = runs.data_ptr<int64_t>();
+  for (int64_t i = 0; i < runs.size(0); ++i, r += 4) {
+    const int64_t slot = r[0], start = r[1], n = r[2] - r[1], k = w.pieces * r[3];
+    TORCH_CHECK(
+        slot >= 0 && slot < w.a.size(0) && start >= 0 && n >= 0 && r[2] <= x.size(0) && k >= 0 && k <= w.a.size(1),
+        "lora runs: a run out of range");
+    at::Tensor rows = out.narrow(0, start, n);
+    rows.addmm_(at::mm(x.narrow(0, start, n), w.a[slot].narrow(0, 0, k).t()), w.bt[slot].narrow(0, 0, k));
+  }
+}
+
 struct Layer {
   at::Tensor input_norm, post_attention_norm;  // [hidden]
   PackedLinear qkv, o, gate_up, down;
   at::Tensor kv_cache;  // [2, num_blocks, block_size, Hkv, D] float32 or bf16
+  LoRASlots lora[4];    // qkv, o, gate_up, down (undefined: no adapters served)
 };
 
 class DecodeStack {
@@ -119,6 +142,45 @@ class DecodeStack {
   // kMaxQueryLen of them, the last of its context. Returns the final normed hidden states, [T, hidden].
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start) const {
+    return run(input_ids, positions, slot_mapping, block_tables, seq_lens, query_start, at::Tensor());
+  }
+
+  // forward, with LoRA adapters on some rows: lora_runs [num_runs, 4] int64 (slot, start, end, rank), the
+  // slots those of set_lora. Runs op by op (the one-region path holds no adapters).
+  at::Tensor forward_lora(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
+                          const at::Tensor& lora_runs) const {
+    TORCH_CHECK(lora_runs.scalar_type() == at::kLong && lora_runs.dim() == 2 && lora_runs.size(1) == 4 &&
+                    lora_runs.is_contiguous(),
+                "lora_runs: contiguous [num_runs, 4] int64");
+    for (const Layer& layer : layers_)
+      TORCH_CHECK(layer.lora[0].a.defined(), "forward_lora: set_lora was not called for every layer");
+    return run(input_ids, positions, slot_mapping, block_tables, seq_lens, query_start, lora_runs);
+  }
+
+  // The LoRA slots of layer `index`: (a, bt, pieces) of qkv, o, gate_up and down, read in place by forward_lora.
+  void set_lora(int64_t index, const std::vector<std::tuple<at::Tensor, at::Tensor, int64_t>>& slots) {
+    TORCH_CHECK(index >= 0 && index < num_layers() && slots.size() == 4, "set_lora: a layer index and 4 slots");
+    Layer& layer = layers_[index];
+    const int64_t hidden = embedding_.size(1), q_size = num_heads_ * head_dim_;
+    const int64_t in[4] = {hidden, q_size, hidden, std::get<3>(layer.gate_up) / 2};
+    const int64_t out[4] = {std::get<3>(layer.qkv), std::get<3>(layer.o), std::get<3>(layer.gate_up),
+                            std::get<3>(layer.down)};
+    for (int i = 0; i < 4; ++i) {
+      const auto& [a, bt, pieces] = slots[i];
+      TORCH_CHECK(a.dim() == 3 && bt.dim() == 3 && a.scalar_type() == at::kFloat && bt.scalar_type() == at::kFloat &&
+                      a.is_contiguous() && bt.is_contiguous() && a.size(0) == bt.size(0) && a.size(1) == bt.size(1) &&
+                      a.size(2) == in[i] && bt.size(2) == out[i] && pieces >= 1,
+                  "set_lora: a [slots, R, in] and bt [slots, R, out] float32 of the layer's shapes");
+      layer.lora[i] = LoRASlots{a, bt, pieces};
+    }
+  }
+
+ private:
+  at::Tensor run(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
+                 const at::Tensor& lora_runs) const {
+    const bool adapted = lora_runs.defined();
     TORCH_CHECK(input_ids.dim() == 1 && positions.sizes() == input_ids.sizes(), "input_ids, positions: [T]");
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == input_ids.numel(),
                 "slot_mapping: [T] int64");
@@ -129,7 +191,8 @@ class DecodeStack {
     const at::Tensor starts =
         input_ids.numel() == seq_lens.numel() ? at::Tensor() : checked_starts(query_start, seq_lens, input_ids.numel());
 #ifdef TM_DECODE_TEAM
-    if (one_region()) return forward_team(input_ids, positions, slot_mapping, block_tables, seq_lens, starts);
+    if (one_region() && !adapted)
+      return forward_team(input_ids, positions, slot_mapping, block_tables, seq_lens, starts);
 #endif
     const int64_t batch = input_ids.numel(), q_size = num_heads_ * head_dim_;
     at::Tensor residual = embed(input_ids);  // [B, hidden], the residual stream
@@ -146,7 +209,8 @@ class DecodeStack {
       else
         ops::add_rms_norm_(x, residual, layer.input_norm, eps_);
       at::Tensor qkv = linear(layer.qkv, x);  // [B, (Hq + 2 * Hkv) * D]
-      at::Tensor attn;                        // [B, Hq, D]
+      if (adapted) add_lora(layer.lora[0], x, qkv, lora_runs);
+      at::Tensor attn;  // [B, Hq, D]
 #ifdef TM_ATTN_AVX512
       if (attn::avx512_supports(layer.kv_cache) && !starts.defined()) {  // rotary and cache write in the items
         attn = attn::decode_attention(qkv, num_heads_, layer.kv_cache, slots.data_ptr<int64_t>(), block_tables,
@@ -174,16 +238,27 @@ class DecodeStack {
           attn = attn::paged_decode(q, layer.kv_cache, token_rows.tables, token_rows.lens, scale_);
         }
       }
-      at::Tensor o = linear(layer.o, attn.view({batch, q_size}));
+      const at::Tensor heads = attn.view({batch, q_size});
+      at::Tensor o = linear(layer.o, heads);
+      if (adapted) add_lora(layer.lora[1], heads, o, lora_runs);
       if (all_reduce_) all_reduce_(o);  // tensor parallel: this rank's heads' share, summed over the ranks
       ops::add_rms_norm_(o, residual, layer.post_attention_norm, eps_);
-      x = linear(layer.down, linear_silu_mul(layer.gate_up, o));
+      if (adapted) {  // the update lands on [gate | up] before the activation
+        at::Tensor gate_up = linear(layer.gate_up, o);
+        add_lora(layer.lora[2], o, gate_up, lora_runs);
+        const at::Tensor h = ops::silu_and_mul(gate_up);
+        x = linear(layer.down, h);
+        add_lora(layer.lora[3], h, x, lora_runs);
+      } else {
+        x = linear(layer.down, linear_silu_mul(layer.gate_up, o));
+      }
       if (all_reduce_) all_reduce_(x);
     }
     ops::add_rms_norm_(x, residual, final_norm_, eps_);
     return x;
   }
 
+ public:
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // Tensor parallelism: this rank holds its heads' and its MLP slice's weights, and a slice of the
@@ -545,6 +620,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor, at::Tensor>())
       .def("add_layer", &tokenmill::DecodeStack::add_layer)
       .def("forward", &tokenmill::DecodeStack::forward)
+      .def("forward_lora", &tokenmill::DecodeStack::forward_lora)
+      .def("set_lora", &tokenmill::DecodeStack::set_lora)
       .def("set_tensor_parallel", &tokenmill::DecodeStack::set_tensor_parallel)
       .def_property_readonly("num_layers", &tokenmill::DecodeStack::num_layers)
       .def_property_readonly_static("max_query_len",

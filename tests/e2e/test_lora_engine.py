@@ -1,0 +1,112 @@
+"""LoRA adapters served end to end: greedy tokens equal to HF + PEFT with each adapter merged, for batches
+mixing the base model and two adapters (different ranks and target modules), on the layer-by-layer path
+and the fused C++ decode stack, with chunked prefill and preemption; adapters beyond the resident slots
+wait and are swapped in; the prefix cache never crosses adapters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.test_lora_adapter import make_adapter
+from tests.tiny_models import hf_greedy, hf_model, random_prompts
+from tokenmill import LLM, SamplingParams
+from tokenmill.lora import LoRARequest
+
+MAX_NEW = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(llama_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two adapters (rank 4 on every module; rank 8 on q/v and the MLP) and each one's HF + PEFT merged
+    greedy continuations of the prompts, with the base model's."""
+    root = tmp_path_factory.mktemp("loras")
+    one, model_one = make_adapter(llama_model, root / "one", seed=1)
+    two, model_two = make_adapter(
+        llama_model,
+        root / "two",
+        seed=2,
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
+    )
+    prompts = random_prompts(9, 3, 60, seed=3) + random_prompts(3, 70, 110, seed=4)
+    refs = {"base": hf_model(llama_model), "one": model_one.merge_and_unload(), "two": model_two.merge_and_unload()}
+    greedy = {name: [hf_greedy(model, p, MAX_NEW) for p in prompts] for name, model in refs.items()}
+    requests = {"one": LoRARequest("one", 1, str(one)), "two": LoRARequest("two", 2, str(two)), "base": None}
+    return {"prompts": prompts, "greedy": greedy, "requests": requests}
+
+
+def _mixed(adapters: dict[str, Any]) -> tuple[list[list[int]], list[LoRARequest | None], list[list[int]]]:
+    names = ["base", "one", "two"]
+    prompts = adapters["prompts"]
+    chosen = [names[i % 3] for i in range(len(prompts))]
+    loras = [adapters["requests"][n] for n in chosen]
+    expected = [adapters["greedy"][n][i] for i, n in enumerate(chosen)]
+    return prompts, loras, expected
+
+
+def _tokens(outputs: list) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({}, id="fused-decode"),
+        pytest.param({"enforce_eager": True}, id="eager"),
+        pytest.param({"max_num_batched_tokens": 40}, id="chunked-prefill"),
+        pytest.param({"num_kv_blocks": 40, "block_size": 4}, id="preemption"),
+    ],
+)
+def test_mixed_base_and_adapters_match_peft_merged(
+    llama_model: Path, adapters: dict[str, Any], options: dict[str, Any]
+) -> None:
+    prompts, loras, expected = _mixed(adapters)
+    kwargs: dict[str, Any] = dict(dtype="float32", num_kv_blocks=256, enable_lora=True, max_lora_rank=8) | options
+    with LLM(str(llama_model), **kwargs) as llm:
+        assert _tokens(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)) == expected
+        assert (llm.engine.runner.fused_decode is None) == bool(options.get("enforce_eager"))
+        if "block_size" in options:  # 40 blocks of 4 tokens cannot hold 12 sequences at once
+            assert llm.engine.scheduler.stats.num_preemptions > 0
+
+
+def test_more_adapters_than_slots_wait_and_swap(llama_model: Path, adapters: dict[str, Any]) -> None:
+    """One resident slot: requests for the other adapter wait until the first's finish, then it loads."""
+    prompts, loras, expected = _mixed(adapters)
+    with LLM(
+        str(llama_model), dtype="float32", num_kv_blocks=256, enable_lora=True, max_loras=1, max_lora_rank=8
+    ) as llm:
+        assert _tokens(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)) == expected
+        slots = llm.engine.runner.loras
+        assert slots is not None and len(slots.resident) == 1
+
+
+def test_the_prefix_cache_never_crosses_adapters(llama_model: Path, adapters: dict[str, Any]) -> None:
+    prompt = adapters["prompts"][-1]  # long enough for several full blocks
+    one, two = adapters["requests"]["one"], adapters["requests"]["two"]
+    with LLM(str(llama_model), dtype="float32", num_kv_blocks=256, enable_lora=True, max_lora_rank=8) as llm:
+        llm.generate([prompt], GREEDY, lora_request=one, use_tqdm=False)
+        second = llm.generate([prompt], GREEDY, lora_request=two, use_tqdm=False)[0]
+        assert second.outputs[0].token_ids == adapters["greedy"]["two"][-1]
+        assert second.metrics.num_cached_tokens == 0
+        again = llm.generate([prompt], GREEDY, lora_request=one, use_tqdm=False)[0]
+        assert again.metrics.num_cached_tokens > 0 and again.outputs[0].token_ids == adapters["greedy"]["one"][-1]
+
+
+def test_bad_lora_requests_are_clear_errors(llama_model: Path, adapters: dict[str, Any], tmp_path: Path) -> None:
+    one = adapters["requests"]["one"]
+    with LLM(str(llama_model), dtype="float32", num_kv_blocks=64) as plain:
+        with pytest.raises(ValueError, match="serves no LoRA adapters"):
+            plain.generate([[1, 2, 3]], GREEDY, lora_request=one, use_tqdm=False)
+    with LLM(str(llama_model), dtype="float32", num_kv_blocks=64, enable_lora=True, max_lora_rank=4) as llm:
+        with pytest.raises(ValueError, match="above --max-lora-rank 4"):
+            llm.generate([[1, 2, 3]], GREEDY, lora_request=adapters["requests"]["two"], use_tqdm=False)
+        with pytest.raises(ValueError, match="does not exist"):
+            llm.generate([[1, 2, 3]], GREEDY, lora_request=LoRARequest("x", 9, str(tmp_path / "no")), use_tqdm=False)
+        # The engine still serves after refusing them.
+        out = llm.generate([adapters["prompts"][0]], GREEDY, lora_request=one, use_tqdm=False)
+        assert _tokens(out) == [adapters["greedy"]["one"][0]]

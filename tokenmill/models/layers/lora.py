@@ -1,0 +1,83 @@
+"""A step's LoRA updates on the linear layers they adapt (S-LoRA's idea): the base GEMM runs once for the
+whole batch, then each adapter's low-rank update x @ A.T @ B.T is added to its own rows.
+
+The adapters resident at once sit in slots, stacked per layer (tokenmill.lora.slots writes them): a
+fused layer (qkv_proj, gate_up_proj) stacks its pieces' A rows one after another, piece i at rows
+[i * r, (i + 1) * r) for an adapter of rank r, and its B rows (kept transposed) alike, each piece's B
+columns landing on that piece's output columns. The runner orders a step's rows by adapter, so each
+adapter's rows are one run [start, end) and its update is two matrix products on views."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoRARun:
+    """Rows [start, end) of the step run the adapter in `slot`, of rank `rank`."""
+
+    slot: int
+    start: int
+    end: int
+    rank: int
+
+
+class LoRAContext:
+    """Shared by a model's adapted layers: the runs of the step being computed (empty: no adapter)."""
+
+    def __init__(self) -> None:
+        self.runs: list[LoRARun] = []
+        # The same runs as the fused decode stack takes them: [num_runs, 4] int64 (slot, start, end, rank).
+        self.runs_tensor = torch.empty(0, 4, dtype=torch.int64)
+
+    def set_runs(self, runs: list[LoRARun]) -> None:
+        self.runs = runs
+        rows = [[r.slot, r.start, r.end, r.rank] for r in runs]
+        self.runs_tensor = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+
+
+class LoRALinear:
+    """One linear layer's adapters, stacked by slot: zeros where an adapter leaves the layer alone."""
+
+    def __init__(
+        self,
+        context: LoRAContext,
+        num_slots: int,
+        max_rank: int,
+        in_features: int,
+        piece_sizes: list[int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.context = context
+        self.piece_sizes = piece_sizes  # output columns of each piece (q, k, v; gate, up; or the one)
+        self.pieces = len(piece_sizes)
+        rows = self.pieces * max_rank
+        self.a = torch.zeros(num_slots, rows, in_features, dtype=dtype, device=device)  # [slots, R, in]
+        self.bt = torch.zeros(num_slots, rows, sum(piece_sizes), dtype=dtype, device=device)  # [slots, R, out]
+
+    def write(self, slot: int, rank: int, pieces: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Put one adapter's (A [rank, in], B [out_piece, rank]) of each piece (None: not adapted) in `slot`."""
+        self.a[slot].zero_()
+        self.bt[slot].zero_()
+        col = 0
+        for i, (size, ab) in enumerate(zip(self.piece_sizes, pieces)):
+            if ab is not None:
+                a, b = ab
+                self.a[slot, i * rank : (i + 1) * rank].copy_(a)
+                self.bt[slot, i * rank : (i + 1) * rank, col : col + size].copy_(b.t())
+            col += size
+
+    def add_to(
+        self,
+        x: torch.Tensor,  # [num_tokens, in]
+        out: torch.Tensor,  # [num_tokens, out], the base layer's output, updated in place
+    ) -> None:
+        for run in self.context.runs:
+            k = self.pieces * run.rank
+            a = self.a[run.slot, :k]  # [k, in]
+            bt = self.bt[run.slot, :k]  # [k, out]
+            rows = slice(run.start, run.end)
+            out[rows].addmm_(x[rows] @ a.t(), bt)
