@@ -38,8 +38,8 @@ from tokenmill.executor.messages import (
     WorkerCommand,
 )
 from tokenmill.kv_tier.stats import KVTierStats
-from tokenmill.outputs import CachedRequestData, EngineCoreOutput, Logprob, NewRequestData, SchedulerOutput
 from tokenmill.lora_request import LoRARequest
+from tokenmill.outputs import CachedRequestData, EngineCoreOutput, Logprob, NewRequestData, SchedulerOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.scheduling.request import Request, RequestStatus
@@ -214,7 +214,9 @@ def test_a_renamed_field_is_refused() -> None:
 
 # ---------------------------------------------------------------------- tensor-parallel ranks
 def test_a_step_command_keeps_every_field_and_the_batch_order() -> None:
-    new = NewRequestData("b", [1, 2], [3], PARAMS, [4, 5], 2, [[0, 8]], PoolingParams("embed", "CLS"), LoRARequest("a", 1, "/a"))
+    new = NewRequestData(
+        "b", [1, 2], [3], PARAMS, [4, 5], 2, [[0, 8]], PoolingParams("embed", "CLS"), LoRARequest("a", 1, "/a")
+    )
     cached = CachedRequestData("a", [6], 9, [[10]])
     sched = SchedulerOutput(
         [new],

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.bench.datasets import BenchRequest
+from tokenmill.lora_request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -124,8 +125,10 @@ def run_throughput(
     *,
     warmup: bool = True,
     use_tqdm: bool = False,
+    lora_requests: list[LoRARequest | None] | None = None,
 ) -> ThroughputResult:
-    """Warm up (untimed), then generate every request and measure the timed window only.
+    """Warm up (untimed), then generate every request and measure the timed window only. `lora_requests`:
+    each request's LoRA adapter (None: the base model for all).
 
     With `static_batching`, requests go in fixed batches of `batch_size` (default: the engine's
     max_num_seqs), one `generate` call each, with no refill until the whole batch has finished."""
@@ -145,7 +148,8 @@ def run_throughput(
     start = time.perf_counter()
     outputs: list[RequestOutput] = []
     for i in range(0, len(requests), step):
-        outputs += llm.generate(prompts[i : i + step], params[i : i + step], use_tqdm=use_tqdm)
+        loras = lora_requests[i : i + step] if lora_requests is not None else None
+        outputs += llm.generate(prompts[i : i + step], params[i : i + step], use_tqdm=use_tqdm, lora_request=loras)
     elapsed = time.perf_counter() - start
     delta = _EngineCounters.read(llm) - before
 

@@ -47,6 +47,7 @@ from tokenmill.engine.request_metrics import merge_request_metrics
 from tokenmill.engine.restart_policy import RestartPolicy
 from tokenmill.engine.step_watchdog import StepWatchdog
 from tokenmill.loader.hf import load_tokenizer
+from tokenmill.lora.checker import AdapterChecker
 from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.pooling_params import PoolingTask
 from tokenmill.sampling_params import SamplingParams
@@ -132,6 +133,9 @@ class AsyncEngine:
         with self.phases.phase("config"):
             self.config, source = create_engine_config(args)
         self._eos_token_ids = source.eos_token_ids
+        # Checks each request's LoRA adapter once, in this process (None: the engine serves none).
+        lora = self.config.lora
+        self.loras = AdapterChecker(self.config.model.hf_config, lora.max_lora_rank) if lora is not None else None
         client_type = ProcessCoreClient if engine_process else ThreadCoreClient
 
         def new_client() -> CoreClient:  # a replacement for an engine that died
@@ -167,7 +171,9 @@ class AsyncEngine:
         for name, seconds in engine_phases:
             self.phases.record(f"engine {name}", seconds)
         limits = self.client.limits
-        self.inputs = InputProcessor(self.tokenizer, self.config.model.vocab_size, self._eos_token_ids, limits)
+        self.inputs = InputProcessor(
+            self.tokenizer, self.config.model.vocab_size, self._eos_token_ids, limits, loras=self.loras
+        )
         self.num_blocks = limits.num_blocks
         self.snapshot = EngineSnapshot.idle(self.num_blocks)
 

@@ -33,6 +33,7 @@ from tokenmill.server.errors import APIError, error_body, error_body_for, instal
 from tokenmill.server.files import UPLOAD_PATH, upload_body_limit
 from tokenmill.server.health import engine_trouble
 from tokenmill.server.hosts import HostMiddleware, allowed_hosts
+from tokenmill.server.lora_routes import LORA_ROUTES, lora_router
 from tokenmill.server.openapi_errors import ROUTE_ERRORS, streamed
 from tokenmill.server.pool.admin import ADMIN_PREFIX, admin_router
 from tokenmill.server.pool.listing import model_cards
@@ -116,6 +117,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(messages.router(state))
     app.include_router(responses.router(state))
     app.include_router(embeddings.router(state))
+    if state.loras is not None:  # runtime adapter loads (vLLM's routes)
+        app.include_router(lora_router(state, state.loras, state.config.models.resolved_admin_key()))
 
     @app.get("/v1/models", response_model=ModelList, responses={401: ROUTE_ERRORS[401]})
     async def models(request: Request) -> Any:
@@ -124,7 +127,16 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse({"object": "list", "data": [card.model_dump() for card in cards]})
         # The served name only: the model's path on this machine is no client's business.
         card = ModelCard(id=state.model_name, root=state.model_name, max_model_len=state.engine.max_model_len)
-        return ModelList(data=[card])
+        loras = state.loras
+        adapters = (
+            [
+                ModelCard(id=name, root=name, parent=state.model_name, created=loras.created.get(name, 0))
+                for name in loras.by_name
+            ]
+            if loras is not None
+            else []
+        )
+        return ModelList(data=[card, *adapters])
 
     @app.get("/health", responses={503: ROUTE_ERRORS[503]})
     async def health() -> Response:
@@ -213,11 +225,18 @@ class AuthMiddleware:
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app, self.state = app, state
+        # With an admin key, the LoRA adapter routes check it themselves (lora_routes.py).
+        self.own_key_paths = LORA_ROUTES if state.config.models.resolved_admin_key() is not None else ()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The admin routes check the admin key themselves.
         path = scope["path"] if scope["type"] == "http" else ""
-        if not path or path.startswith(ADMIN_PREFIX) or is_public(path, self.state.config.metrics_public):
+        if (
+            not path
+            or path.startswith(ADMIN_PREFIX)
+            or path in self.own_key_paths
+            or is_public(path, self.state.config.metrics_public)
+        ):
             return await self.app(scope, receive, send)
         try:
             address = client_address(scope)

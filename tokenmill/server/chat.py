@@ -77,7 +77,9 @@ def chat_response(
                 stop_reason=out.stop_reason,
             )
         )
-    return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=job.usage())
+    return ChatCompletionResponse(
+        id=request_id, model=state.response_model(body.model), choices=choices, usage=job.usage()
+    )
 
 
 async def prepare_chat(
@@ -85,7 +87,7 @@ async def prepare_chat(
 ) -> tuple[PreparedRequest, ToolPlan]:
     """The conversation as an engine request, validated (APIError 400 for anything wrong), and what to
     do with its reply (its tools, its reasoning); its size is checked before it is templated."""
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     state.check_accepting()
     _refuse_unsupported(body)
     check_n(state, body.n)
@@ -109,7 +111,8 @@ async def prepare_chat(
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_request") from exc
     priority, salt = state.priority(key, body.priority), state.cache_salt(key, body.cache_salt)
-    return await prepare(state, request_id, None, ids, params, priority, salt, state.default_max_tokens), plan
+    prepared = await prepare(state, request_id, None, ids, params, priority, salt, state.default_max_tokens, lora)
+    return prepared, plan
 
 
 def _template_kwargs(state: ServerState, body: ChatCompletionRequest) -> dict[str, Any]:
@@ -189,7 +192,7 @@ async def _stream(
             "id": request_id,
             "object": "chat.completion.chunk",
             "created": created,
-            "model": state.model_name,
+            "model": state.response_model(body.model),
             "choices": choices,
         }
         if usage is not None:

@@ -76,7 +76,7 @@ def completion_response(
                     prepared_req.prompt,
                 )
             )
-    return CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=job.usage())
+    return CompletionResponse(id=request_id, model=state.response_model(body.model), choices=choices, usage=job.usage())
 
 
 async def prepare_completion(
@@ -84,7 +84,7 @@ async def prepare_completion(
 ) -> list[PreparedRequest]:
     """The request's prompts as engine requests, validated (APIError 400 for anything wrong); every
     prompt's length is checked before any is tokenized."""
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     state.check_accepting()
     if body.suffix:
         raise APIError(400, "suffix is not supported.", "unsupported_parameter", "suffix")
@@ -105,7 +105,7 @@ async def prepare_completion(
     for i, prompt in enumerate(prompts):
         text, ids = await tokenize(state, prompt)
         prepared.append(
-            await prepare(state, f"{request_id}-{i}", text, ids, params, priority, salt, default_max_tokens)
+            await prepare(state, f"{request_id}-{i}", text, ids, params, priority, salt, default_max_tokens, lora)
         )
     check_prompt_logprobs(state, prepared)
     return prepared
@@ -191,7 +191,7 @@ async def _stream(
                     "id": request_id,
                     "object": "text_completion",
                     "created": created,
-                    "model": state.model_name,
+                    "model": state.response_model(body.model),
                     "choices": [choice.model_dump()],
                 }
             )
@@ -201,7 +201,7 @@ async def _stream(
                 "id": request_id,
                 "object": "text_completion",
                 "created": created,
-                "model": state.model_name,
+                "model": state.response_model(body.model),
                 "choices": [],
                 "usage": job.usage().model_dump(),
             }

@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.chat_template import check_template_kwargs
+from tokenmill.lora_request import LoRARequest
 from tokenmill.metrics.prometheus import ServerMetrics
 from tokenmill.server.errors import APIError
+from tokenmill.server.lora_modules import LoRAModules, parse_lora_module
 from tokenmill.server.reasoning import REASONING_PARSERS, ReasoningParser
 from tokenmill.server.security import ApiKeys, LoginThrottle, RateLimiter
 from tokenmill.server.tool_parsers import TOOL_PARSERS, ToolParser
@@ -223,6 +225,13 @@ class ServerConfig:
     )
     served_model_name: str | None = setting(
         None, group="model", help="the model id clients send (default: folder name)"
+    )
+    lora_modules: tuple[str, ...] = setting(
+        (),
+        group="lora",
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve from the start, each as the model id NAME (repeat, or comma-separate; "
+        "needs --enable-lora); more load at runtime through POST /v1/load_lora_adapter",
     )
     api_keys: tuple[str, ...] = setting(
         (),
@@ -559,6 +568,7 @@ class ServerState:
     throttle: LoginThrottle = field(default_factory=LoginThrottle)
     draining: bool = False
     models: ModelPool | None = None  # with --registry / --extra-model: the engines by model
+    loras: LoRAModules | None = None  # with --enable-lora: the adapters served by name
     routed: bool = False  # the pool picked this state for the request's model: check_model has nothing to do
     # Tokenization and chat templating, off the event loop. One thread: the HF tokenizer keeps per-call
     # settings (split_special_tokens) in shared state, so two encodes at once could let a user's text
@@ -572,7 +582,7 @@ class ServerState:
         name = config.served_model_name or default_model_name(engine)
         metrics = ServerMetrics(name)
         engine.stats = metrics
-        return cls(
+        state = cls(
             config,
             engine,
             name,
@@ -581,6 +591,13 @@ class ServerState:
             RateLimiter(config.requests_per_min, config.tokens_per_min),
             LoginThrottle(config.max_failed_logins),
         )
+        if engine.config.lora is not None:
+            state.loras = LoRAModules(engine, name)
+            for entry in config.lora_modules:
+                state.loras.load(*parse_lora_module(entry))
+        elif config.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora.")
+        return state
 
     def priority(self, key: str, requested: int) -> int:
         """A request's scheduling priority: what it asked for if its key is one of --priority-keys,
@@ -623,14 +640,28 @@ class ServerState:
     def max_prompt_tokens(self) -> int:
         return min(self.config.max_prompt_tokens or self.engine.max_model_len, self.engine.max_model_len - 1)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name and not self.routed:
+    def check_model(self, model: str | None, adapters: bool = True) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 model_not_found for a
+        name this server does not serve. `adapters`: the endpoint runs adapters (generation does;
+        pooling runs the base model only: 400 for an adapter's name)."""
+        if model is None or model == self.model_name or self.routed:
+            return None
+        lora = self.loras.get(model) if self.loras is not None else None
+        if lora is None:
+            served = [self.model_name, *self.loras.by_name] if self.loras is not None else [self.model_name]
             raise APIError(
                 404,
-                f"the model {model!r} does not exist; this server serves {self.model_name!r}.",
+                f"the model {model!r} does not exist; this server serves {', '.join(map(repr, served))}.",
                 "model_not_found",
                 "model",
             )
+        if not adapters:
+            raise APIError(400, f"{model!r} is a LoRA adapter: this endpoint runs the base model only.", param="model")
+        return lora
+
+    def response_model(self, model: str | None) -> str:
+        """The `model` a reply names: the adapter the request named, else the served model."""
+        return model if model is not None and self.loras is not None and self.loras.get(model) else self.model_name
 
     def check_accepting(self) -> None:
         if self.draining:

@@ -46,7 +46,7 @@ async def embeddings_response(state: ServerState, body: EmbeddingRequest, key: s
 
 
 async def _embed(state: ServerState, body: EmbeddingRequest, key: str, request: Request | None) -> PoolingResult:
-    state.check_model(body.model)
+    state.check_model(body.model, adapters=False)
     check_pooling(state, "embed")
     try:
         check_dimensions(body.dimensions, state.engine.pooling.hidden_size)

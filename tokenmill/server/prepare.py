@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from tokenmill.engine.input_processor import PreparedRequest
 from tokenmill.engine.request_limits import RequestCaps, RequestRejected
+from tokenmill.lora_request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.config import ServerState
 from tokenmill.server.constraints import check_compiles
@@ -26,6 +27,7 @@ async def prepare(
     priority: int,
     cache_salt: str | None,
     default_max_tokens: int | None,
+    lora_request: LoRARequest | None = None,
 ) -> PreparedRequest:
     """The engine's checks of a tokenized request (400 on failure). A request with an output constraint
     checks its grammar first, on a compile thread within the server's deadline: the rest of the
@@ -36,7 +38,8 @@ async def prepare(
             timeout_s = state.config.grammar_compile_timeout_s
             await check_compiles(state.engine.inputs.grammars, params.structured_outputs, timeout_s)
         inputs = state.engine.inputs
-        return inputs.process(request_id, prompt_text or prompt_ids, params, priority, prompt_ids, cache_salt, caps)
+        prompt = prompt_text or prompt_ids
+        return inputs.process(request_id, prompt, params, priority, prompt_ids, cache_salt, caps, lora_request)
     except RequestRejected as exc:
         raise APIError(400, str(exc), exc.code, exc.param) from exc
     except (ValueError, RecursionError) as exc:  # RecursionError: a schema nested beyond reason

@@ -342,6 +342,7 @@ class ModelCard(_Out):
     created: int = Field(default_factory=now)
     owned_by: str = "tokenmill"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

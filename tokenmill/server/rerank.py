@@ -50,7 +50,7 @@ def router(state: ServerState) -> APIRouter:
     async def score(body: ScoreRequest, request: Request) -> Any:
         key = request_key(request.scope)
         async with state_for_model(state, body.model, key) as target:
-            target.check_model(body.model)
+            target.check_model(body.model, adapters=False)
             firsts = [body.text_1] if isinstance(body.text_1, str) else body.text_1
             seconds = [body.text_2] if isinstance(body.text_2, str) else body.text_2
             if len(firsts) != 1 and len(firsts) != len(seconds):
@@ -74,7 +74,7 @@ def router(state: ServerState) -> APIRouter:
     async def rerank(body: RerankRequest, request: Request) -> Any:
         key = request_key(request.scope)
         async with state_for_model(state, body.model, key) as target:
-            target.check_model(body.model)
+            target.check_model(body.model, adapters=False)
             documents = body.texts()
             scores = await _score(target, key, [(body.query, d) for d in documents], body.priority, request)
             ranked = sorted(range(len(documents)), key=lambda i: -scores.values[i])[: body.top_n]
