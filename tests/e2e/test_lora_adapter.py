@@ -16,10 +16,11 @@ from tokenmill.lora import LoRARequest
 from tokenmill.lora.adapter import TARGET_MODULES, load_adapter
 
 
-def make_adapter(base: Path, dest: Path, seed: int = 0, **lora: Any) -> tuple[Path, Any]:
+def make_adapter(base: Path, dest: Path, seed: int = 0, bf16_exact: bool = False, **lora: Any) -> tuple[Path, Any]:
     """A PEFT adapter on the tiny model in `base` with random non-zero B (PEFT starts B at zero); returns
-    its folder and the PEFT model. PEFT is imported here, not at collection: it imports triton, and the
-    Triton kernel tests must import it first, under TRITON_INTERPRET=1."""
+    its folder and the PEFT model. `bf16_exact`: every A and B value a bf16 one (the fused CPU decode
+    stack keeps adapters in bf16: then it holds them exactly). PEFT is imported here, not at collection:
+    it imports triton, and the Triton kernel tests must import it first, under TRITON_INTERPRET=1."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(seed)
     options: dict[str, Any] = {"r": 4, "lora_alpha": 8, "target_modules": list(TARGET_MODULES)} | lora
@@ -28,6 +29,8 @@ def make_adapter(base: Path, dest: Path, seed: int = 0, **lora: Any) -> tuple[Pa
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.1)
+            if bf16_exact and "lora_" in name:
+                param.copy_(param.bfloat16().float())
     model.save_pretrained(dest)
     return dest, model
 

@@ -110,3 +110,32 @@ def test_bad_lora_requests_are_clear_errors(llama_model: Path, adapters: dict[st
         # The engine still serves after refusing them.
         out = llm.generate([adapters["prompts"][0]], GREEDY, lora_request=one, use_tqdm=False)
         assert _tokens(out) == [adapters["greedy"]["one"][0]]
+
+
+def test_packed_weights_in_one_parallel_region_match_layer_by_layer(tmp_path: Path) -> None:
+    """bf16 (packed) weights, head_dim 32: the fused stack adds each thread's rows' updates inside its one
+    parallel region (from bf16 copies of the adapters: these adapters' values are bf16 ones, and scaled
+    by a power of two); its tokens and logprobs match the layer-by-layer path's."""
+    from tests.tiny_models import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "llama", "llama", head_dim=32)
+    one, _ = make_adapter(folder, tmp_path / "one", seed=1, bf16_exact=True)
+    targets = ["q_proj", "gate_proj", "down_proj"]
+    two, _ = make_adapter(folder, tmp_path / "two", seed=2, bf16_exact=True, r=8, lora_alpha=16, target_modules=targets)
+    loras = [LoRARequest("one", 1, str(one)), LoRARequest("two", 2, str(two)), None]
+    prompts = random_prompts(9, 3, 40, seed=5)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    kwargs: dict[str, Any] = dict(dtype="bfloat16", num_kv_blocks=64, enable_lora=True, max_lora_rank=8)
+    with LLM(str(folder), **kwargs) as fused:
+        runner = fused.engine.runner
+        if runner.fused_decode is None or not runner.backend.serves_int8_cache(16, 2, 32):  # type: ignore[attr-defined]
+            pytest.skip("the one-region decode stack (AVX-512 GEMMs and attention) is not built here")
+        got = fused.generate(prompts, params, lora_request=[loras[i % 3] for i in range(9)], use_tqdm=False)
+        assert runner.fused_decode._stack.one_region
+    with LLM(str(folder), enforce_eager=True, **kwargs) as eager:
+        want = eager.generate(prompts, params, lora_request=[loras[i % 3] for i in range(9)], use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for g_step, w_step in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            for token, entry in w_step.items():
+                assert g_step[token].logprob == pytest.approx(entry.logprob, abs=1e-3)

@@ -29,7 +29,12 @@ PIECES = {
 
 class LoRASlots:
     def __init__(
-        self, model: nn.Module, config: LoRAConfig, hf_config: Any, dtype: torch.dtype, device: torch.device
+        self,
+        model: nn.Module,
+        config: LoRAConfig,
+        hf_config: Any,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         """Give every decoder layer of `model` its stacked adapter slots; a ValueError names a layer
         kind that adapters do not serve (a mixture-of-experts block)."""
@@ -49,11 +54,10 @@ class LoRASlots:
                 )
             q, kv = attn.qkv_proj.q_size, attn.qkv_proj.kv_size
             inter = int(hf_config.intermediate_size)
+            shapes = {"qkv": (hidden, [q, kv, kv]), "o": (q, [hidden]), "gate_up": (hidden, [inter, inter])}
+            shapes["down"] = (inter, [hidden])
             linears = {
-                "qkv": LoRALinear(self.context, n, r, hidden, [q, kv, kv], dtype, device),
-                "o": LoRALinear(self.context, n, r, q, [hidden], dtype, device),
-                "gate_up": LoRALinear(self.context, n, r, hidden, [inter, inter], dtype, device),
-                "down": LoRALinear(self.context, n, r, inter, [hidden], dtype, device),
+                name: LoRALinear(self.context, n, r, k, sizes, dtype, device) for name, (k, sizes) in shapes.items()
             }
             attn.qkv_lora, attn.o_lora = linears["qkv"], linears["o"]
             mlp.gate_up_lora, mlp.down_lora = linears["gate_up"], linears["down"]

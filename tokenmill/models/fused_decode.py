@@ -112,10 +112,8 @@ class FusedDecode:
                 cache,
             )
         for i, linears in enumerate(self._loras):
-            pairs = [
-                (linears[name].a, linears[name].bt, linears[name].pieces) for name in ("qkv", "o", "gate_up", "down")
-            ]
-            stack.set_lora(i, pairs)
+            slots = [(linears[n].a16, linears[n].bt16, linears[n].piece_sizes) for n in ("qkv", "o", "gate_up", "down")]
+            stack.set_lora(i, slots)
         if tp_world_size() > 1:  # the C++ step calls back for the vocab-parallel lookup and the all-reduces
             stack.set_tensor_parallel(all_reduce_, model.embed_tokens)
         self._caches = caches

@@ -107,7 +107,8 @@ class ModelRunner:
         # LoRA adapters (--enable-lora): their slots in every adapted layer; None: no adapters served.
         self.loras: LoRASlots | None = None
         if config.lora is not None:
-            self.loras = LoRASlots(module, config.lora, config.model.hf_config, _dtype(config), self.device)
+            hf_config, dtype = config.model.hf_config, _dtype(config)
+            self.loras = LoRASlots(module, config.lora, hf_config, dtype, self.device)
             if self.fused_decode is not None:
                 self.fused_decode.bind_loras(self.loras.layers)
         self.cuda_graph_capture_s: float | None = None

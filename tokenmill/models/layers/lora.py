@@ -57,6 +57,10 @@ class LoRALinear:
         rows = self.pieces * max_rank
         self.a = torch.zeros(num_slots, rows, in_features, dtype=dtype, device=device)  # [slots, R, in]
         self.bt = torch.zeros(num_slots, rows, sum(piece_sizes), dtype=dtype, device=device)  # [slots, R, out]
+        # bf16 copies, for the fused CPU decode stack: a decode step streams every adapter's weights, and
+        # half the bytes is most of its LoRA cost.
+        self.a16 = torch.zeros_like(self.a, dtype=torch.bfloat16)
+        self.bt16 = torch.zeros_like(self.bt, dtype=torch.bfloat16)
 
     def write(self, slot: int, rank: int, pieces: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Put one adapter's (A [rank, in], B [out_piece, rank]) of each piece (None: not adapted) in `slot`."""
@@ -69,6 +73,8 @@ class LoRALinear:
                 self.a[slot, i * rank : (i + 1) * rank].copy_(a)
                 self.bt[slot, i * rank : (i + 1) * rank, col : col + size].copy_(b.t())
             col += size
+        self.a16[slot].copy_(self.a[slot])
+        self.bt16[slot].copy_(self.bt[slot])
 
     def add_to(
         self,
@@ -76,8 +82,10 @@ class LoRALinear:
         out: torch.Tensor,  # [num_tokens, out], the base layer's output, updated in place
     ) -> None:
         for run in self.context.runs:
-            k = self.pieces * run.rank
-            a = self.a[run.slot, :k]  # [k, in]
-            bt = self.bt[run.slot, :k]  # [k, out]
             rows = slice(run.start, run.end)
-            out[rows].addmm_(x[rows] @ a.t(), bt)
+            t = x[rows] @ self.a[run.slot, : self.pieces * run.rank].t()  # [n, pieces * rank]
+            col = 0
+            for i, size in enumerate(self.piece_sizes):  # each piece's B only on its own columns, in place
+                j = slice(i * run.rank, (i + 1) * run.rank)
+                out[rows, col : col + size].addmm_(t[:, j], self.bt[run.slot, j, col : col + size])
+                col += size

@@ -42,6 +42,22 @@ inline void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor
   });
 }
 
+// One [gate | up] row (2 * inter floats) -> silu(gate) * up (inter floats).
+inline void silu_mul_row(const float* g, float* o, int64_t inter) {
+  const float* u = g + inter;
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; d + 8 <= inter; d += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + d);
+    const __m256 sig =
+        _mm256_div_ps(one, _mm256_add_ps(one, tokenmill::exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+    _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + d)));
+  }
+#endif
+  for (; d < inter; ++d) o[d] = g[d] / (1.0f + std::exp(-g[d])) * u[d];
+}
+
 // [n, 2 * inter] (gate | up) -> [n, inter]: silu(gate) * up.
 inline torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.is_contiguous() && gate_up.scalar_type() == torch::kFloat, "contiguous float32 input");
@@ -50,22 +66,7 @@ inline torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* g = gp + i * 2 * inter;
-      const float* u = g + inter;
-      float* o = op + i * inter;
-      int64_t d = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-      const __m256 one = _mm256_set1_ps(1.0f);
-      for (; d + 8 <= inter; d += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + d);
-        const __m256 sig =
-            _mm256_div_ps(one, _mm256_add_ps(one, tokenmill::exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-        _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + d)));
-      }
-#endif
-      for (; d < inter; ++d) o[d] = g[d] / (1.0f + std::exp(-g[d])) * u[d];
-    }
+    for (int64_t i = begin; i < end; ++i) silu_mul_row(gp + i * 2 * inter, op + i * inter, inter);
   });
   return out;
 }

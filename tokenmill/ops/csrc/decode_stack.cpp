@@ -7,12 +7,18 @@
 // weights and cache.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <tuple>
 #include <utility>
 #include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #include "cpu_ops.h"
 #include "packed_gemm.h"
@@ -52,27 +58,158 @@ inline at::Tensor linear_silu_mul(const PackedLinear& w, const at::Tensor& x) {
 // A verification step's query: 1 + k tokens per sequence, k up to 8 draft tokens.
 constexpr int64_t kMaxQueryLen = 9;
 
-// One adapted linear layer's LoRA adapters, stacked by slot (models/layers/lora.py): a [slots, R, in],
-// bt [slots, R, out] float32; an adapter of rank r uses the first pieces * r rows of its slot.
+// One adapted linear layer's LoRA adapters, stacked by slot (models/layers/lora.py): a [slots, R, in] and
+// bt [slots, R, out] bf16 (half the bytes a step streams), read in place; `sizes`: the output columns of
+// each piece (q, k, v; gate, up; or the one). An adapter of rank r has piece p's A rows and B^T rows at
+// [p * r, (p + 1) * r) of its slot, and piece p's B^T is zero outside its own columns.
 struct LoRASlots {
-  at::Tensor a, bt;
-  int64_t pieces = 0;
+  at::Tensor a, bt;  // kept alive: a_p and bt_p point into them
+  std::vector<int64_t> sizes;
+  const uint16_t* a_p = nullptr;
+  const uint16_t* bt_p = nullptr;
+  int64_t rows = 0, in = 0, out = 0;  // R, in, out
+
+  bool defined() const { return a_p != nullptr; }
+
+  static float to_float(uint16_t h) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+
+#ifdef __AVX512F__
+  static __m512 load16(const uint16_t* p, __mmask16 k) {  // 16 bf16 as float32
+    const __m256i h = _mm256_maskz_loadu_epi16(k, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static __mmask16 tail(int64_t i, int64_t n) {
+    return i + 16 <= n ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+  }
+#endif
+
+  // y_r += (x_r A^T) B^T for R token rows of the adapter in `slot`, of rank `rank`: each piece's rank
+  // dot products with the rows, then their sums into that piece's own columns only. The R rows share
+  // every load of A and B^T. t: R * 3 * rank floats.
+  template <int R>
+  void add_rows(int64_t slot, int64_t rank, const float* const* x, float* const* y, float* t) const {
+    const uint16_t* a = a_p + slot * rows * in;
+    const uint16_t* bt = bt_p + slot * rows * out;
+    const int64_t width = static_cast<int64_t>(sizes.size()) * rank;
+    int64_t col = 0;
+    for (size_t p = 0; p < sizes.size(); ++p) {
+      const int64_t j0 = static_cast<int64_t>(p) * rank, j1 = j0 + rank, n = sizes[p];
+      for (int64_t j = j0; j < j1; ++j) shrink<R>(a + j * in, x, t + j, width);
+      expand<R>(bt + j0 * out + col, rank, t + j0, width, y, col, n);
+      col += n;
+    }
+  }
+
+  // t[r * width] = x_r . a_j for the R rows.
+  template <int R>
+  void shrink(const uint16_t* aj, const float* const* x, float* t, int64_t width) const {
+    int64_t i = 0;
+    float sums[4] = {0.f, 0.f, 0.f, 0.f};
+#ifdef __AVX512F__
+    __m512 acc[4];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (; i < in; i += 16) {
+      const __mmask16 k = tail(i, in);
+      const __m512 av = load16(aj + i, k);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(k, x[r] + i), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
+#endif
+    for (; i < in; ++i)
+      for (int r = 0; r < R; ++r) sums[r] += to_float(aj[i]) * x[r][i];
+    for (int r = 0; r < R; ++r) t[r * width] = sums[r];
+  }
+
+  // y_r[col, col + n) += sum_j t_r[j] * B^T[j, col + ...] over the rank's rows of B^T.
+  template <int R>
+  void expand(const uint16_t* b, int64_t rank, const float* t, int64_t width, float* const* y, int64_t col,
+              int64_t n) const {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i < n; i += 16) {  // the R rows' sums stay in registers over the rank
+      const __mmask16 k = tail(i, n);
+      __m512 acc[4];
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_maskz_loadu_ps(k, y[r] + col + i);
+      for (int64_t j = 0; j < rank; ++j) {
+        const __m512 bv = load16(b + j * out + i, k);
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(t[r * width + j]), bv, acc[r]);
+      }
+      for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y[r] + col + i, k, acc[r]);
+    }
+#endif
+    for (int64_t j = 0; j < rank && i < n; ++j)
+      for (int r = 0; r < R; ++r) {
+        const float tj = t[r * width + j];
+        float* yr = y[r] + col;
+#pragma omp simd
+        for (int64_t c = i; c < n; ++c) yr[c] += tj * to_float(b[j * out + c]);
+      }
+  }
 };
 
-// out[start:end] += x[start:end] @ A.T @ B.T for each run of rows (slot, start, end, rank) in `runs`
-// ([num_runs, 4] int64): each adapter's update on its own rows, after the base GEMM of every row.
-inline void add_lora(const LoRASlots& w, const at::Tensor& x, at::Tensor& out, const at::Tensor& runs) {
-  if (!w.a.defined()) return;
-  const int64_t* r = runs.data_ptr<int64_t>();
-  for (int64_t i = 0; i < runs.size(0); ++i, r += 4) {
-    const int64_t slot = r[0], start = r[1], n = r[2] - r[1], k = w.pieces * r[3];
-    TORCH_CHECK(
-        slot >= 0 && slot < w.a.size(0) && start >= 0 && n >= 0 && r[2] <= x.size(0) && k >= 0 && k <= w.a.size(1),
-        "lora runs: a run out of range");
-    at::Tensor rows = out.narrow(0, start, n);
-    rows.addmm_(at::mm(x.narrow(0, start, n), w.a[slot].narrow(0, 0, k).t()), w.bt[slot].narrow(0, 0, k));
+// Which adapter each token row of a step runs: slot (-1: the base model) and rank, from the runs
+// (slot, start, end, rank) the runner passes ([num_runs, 4] int64).
+struct LoRARows {
+  std::vector<int64_t> slot, rank;
+  int64_t max_width = 0;  // the widest pieces * rank of any row: its scratch size
+
+  bool any() const { return max_width > 0; }
+
+  static LoRARows of(const at::Tensor& runs, int64_t num_rows, int64_t num_slots, int64_t max_rank) {
+    LoRARows rows{std::vector<int64_t>(num_rows, -1), std::vector<int64_t>(num_rows, 0)};
+    if (!runs.defined()) return rows;
+    const int64_t* r = runs.data_ptr<int64_t>();
+    for (int64_t i = 0; i < runs.size(0); ++i, r += 4) {
+      TORCH_CHECK(r[0] >= 0 && r[0] < num_slots && r[1] >= 0 && r[1] <= r[2] && r[2] <= num_rows && r[3] >= 1 &&
+                      r[3] <= max_rank,
+                  "lora runs: a run out of range");
+      for (int64_t m = r[1]; m < r[2]; ++m) rows.slot[m] = r[0], rows.rank[m] = r[3];
+      rows.max_width = std::max(rows.max_width, 3 * r[3]);
+    }
+    return rows;
   }
-}
+
+  // y[m] += row m's update, for rows [m0, m1) that run an adapter, up to 4 rows of one adapter at a
+  // time; x, y: row-major, strides ldx, ldy; t: scratch of 4 * max_width floats.
+  void add(const LoRASlots& w, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t m0, int64_t m1,
+           float* t) const {
+    for (int64_t m = m0; m < m1;) {
+      if (slot[m] < 0) {
+        ++m;
+        continue;
+      }
+      int64_t n = 1;
+      while (n < 4 && m + n < m1 && slot[m + n] == slot[m]) ++n;
+      const float* xs[4];
+      float* ys[4];
+      for (int64_t r = 0; r < n; ++r) xs[r] = x + (m + r) * ldx, ys[r] = y + (m + r) * ldy;
+      if (n == 4)
+        w.add_rows<4>(slot[m], rank[m], xs, ys, t);
+      else if (n == 3)
+        w.add_rows<3>(slot[m], rank[m], xs, ys, t);
+      else if (n == 2)
+        w.add_rows<2>(slot[m], rank[m], xs, ys, t);
+      else
+        w.add_rows<1>(slot[m], rank[m], xs, ys, t);
+      m += n;
+    }
+  }
+
+  // The same over every row of a contiguous [B, in] x into a contiguous [B, out] y, rows split over threads.
+  void add_all(const LoRASlots& w, const at::Tensor& x, at::Tensor& y) const {
+    const float* xp = x.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, static_cast<int64_t>(slot.size()), 1, [&](int64_t m0, int64_t m1) {
+      std::vector<float> t(4 * max_width);
+      add(w, xp, x.stride(0), yp, y.stride(0), m0, m1, t.data());
+    });
+  }
+};
 
 struct Layer {
   at::Tensor input_norm, post_attention_norm;  // [hidden]
@@ -146,20 +283,21 @@ class DecodeStack {
   }
 
   // forward, with LoRA adapters on some rows: lora_runs [num_runs, 4] int64 (slot, start, end, rank), the
-  // slots those of set_lora. Runs op by op (the one-region path holds no adapters).
+  // slots those of set_lora.
   at::Tensor forward_lora(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
                           const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
                           const at::Tensor& lora_runs) const {
     TORCH_CHECK(lora_runs.scalar_type() == at::kLong && lora_runs.dim() == 2 && lora_runs.size(1) == 4 &&
                     lora_runs.is_contiguous(),
                 "lora_runs: contiguous [num_runs, 4] int64");
+    TORCH_CHECK(!layers_.empty() && lora_slots_ > 0, "forward_lora: set_lora was not called for every layer");
     for (const Layer& layer : layers_)
-      TORCH_CHECK(layer.lora[0].a.defined(), "forward_lora: set_lora was not called for every layer");
+      TORCH_CHECK(layer.lora[0].defined(), "forward_lora: set_lora was not called for every layer");
     return run(input_ids, positions, slot_mapping, block_tables, seq_lens, query_start, lora_runs);
   }
 
   // The LoRA slots of layer `index`: (a, bt, pieces) of qkv, o, gate_up and down, read in place by forward_lora.
-  void set_lora(int64_t index, const std::vector<std::tuple<at::Tensor, at::Tensor, int64_t>>& slots) {
+  void set_lora(int64_t index, const std::vector<std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>>>& slots) {
     TORCH_CHECK(index >= 0 && index < num_layers() && slots.size() == 4, "set_lora: a layer index and 4 slots");
     Layer& layer = layers_[index];
     const int64_t hidden = embedding_.size(1), q_size = num_heads_ * head_dim_;
@@ -167,12 +305,20 @@ class DecodeStack {
     const int64_t out[4] = {std::get<3>(layer.qkv), std::get<3>(layer.o), std::get<3>(layer.gate_up),
                             std::get<3>(layer.down)};
     for (int i = 0; i < 4; ++i) {
-      const auto& [a, bt, pieces] = slots[i];
-      TORCH_CHECK(a.dim() == 3 && bt.dim() == 3 && a.scalar_type() == at::kFloat && bt.scalar_type() == at::kFloat &&
-                      a.is_contiguous() && bt.is_contiguous() && a.size(0) == bt.size(0) && a.size(1) == bt.size(1) &&
-                      a.size(2) == in[i] && bt.size(2) == out[i] && pieces >= 1,
-                  "set_lora: a [slots, R, in] and bt [slots, R, out] float32 of the layer's shapes");
-      layer.lora[i] = LoRASlots{a, bt, pieces};
+      const auto& [a, bt, sizes] = slots[i];
+      int64_t width = 0;
+      for (int64_t n : sizes) width += n;
+      const int64_t pieces = static_cast<int64_t>(sizes.size());
+      TORCH_CHECK(a.dim() == 3 && bt.dim() == 3 && a.scalar_type() == at::kBFloat16 &&
+                      bt.scalar_type() == at::kBFloat16 && a.is_contiguous() && bt.is_contiguous() &&
+                      a.size(0) == bt.size(0) && a.size(1) == bt.size(1) && a.size(2) == in[i] &&
+                      bt.size(2) == out[i] && width == out[i] && pieces >= 1 && pieces <= 3 && a.size(1) % pieces == 0,
+                  "set_lora: a [slots, R, in] and bt [slots, R, out] bf16 of the layer's shapes");
+      const auto* a_p = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+      const auto* bt_p = reinterpret_cast<const uint16_t*>(bt.data_ptr<at::BFloat16>());
+      layer.lora[i] = LoRASlots{a, bt, sizes, a_p, bt_p, a.size(1), in[i], out[i]};
+      lora_slots_ = a.size(0);
+      lora_max_rank_ = a.size(1) / pieces;
     }
   }
 
@@ -181,6 +327,7 @@ class DecodeStack {
                  const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
                  const at::Tensor& lora_runs) const {
     const bool adapted = lora_runs.defined();
+    const LoRARows lora = LoRARows::of(lora_runs, input_ids.numel(), lora_slots_, lora_max_rank_);
     TORCH_CHECK(input_ids.dim() == 1 && positions.sizes() == input_ids.sizes(), "input_ids, positions: [T]");
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == input_ids.numel(),
                 "slot_mapping: [T] int64");
@@ -191,8 +338,7 @@ class DecodeStack {
     const at::Tensor starts =
         input_ids.numel() == seq_lens.numel() ? at::Tensor() : checked_starts(query_start, seq_lens, input_ids.numel());
 #ifdef TM_DECODE_TEAM
-    if (one_region() && !adapted)
-      return forward_team(input_ids, positions, slot_mapping, block_tables, seq_lens, starts);
+    if (one_region()) return forward_team(input_ids, positions, slot_mapping, block_tables, seq_lens, starts, lora);
 #endif
     const int64_t batch = input_ids.numel(), q_size = num_heads_ * head_dim_;
     at::Tensor residual = embed(input_ids);  // [B, hidden], the residual stream
@@ -209,7 +355,7 @@ class DecodeStack {
       else
         ops::add_rms_norm_(x, residual, layer.input_norm, eps_);
       at::Tensor qkv = linear(layer.qkv, x);  // [B, (Hq + 2 * Hkv) * D]
-      if (adapted) add_lora(layer.lora[0], x, qkv, lora_runs);
+      if (adapted) lora.add_all(layer.lora[0], x, qkv);
       at::Tensor attn;  // [B, Hq, D]
 #ifdef TM_ATTN_AVX512
       if (attn::avx512_supports(layer.kv_cache) && !starts.defined()) {  // rotary and cache write in the items
@@ -240,15 +386,15 @@ class DecodeStack {
       }
       const at::Tensor heads = attn.view({batch, q_size});
       at::Tensor o = linear(layer.o, heads);
-      if (adapted) add_lora(layer.lora[1], heads, o, lora_runs);
+      if (adapted) lora.add_all(layer.lora[1], heads, o);
       if (all_reduce_) all_reduce_(o);  // tensor parallel: this rank's heads' share, summed over the ranks
       ops::add_rms_norm_(o, residual, layer.post_attention_norm, eps_);
       if (adapted) {  // the update lands on [gate | up] before the activation
         at::Tensor gate_up = linear(layer.gate_up, o);
-        add_lora(layer.lora[2], o, gate_up, lora_runs);
+        lora.add_all(layer.lora[2], o, gate_up);
         const at::Tensor h = ops::silu_and_mul(gate_up);
         x = linear(layer.down, h);
-        add_lora(layer.lora[3], h, x, lora_runs);
+        lora.add_all(layer.lora[3], h, x);
       } else {
         x = linear(layer.down, linear_silu_mul(layer.gate_up, o));
       }
@@ -447,8 +593,12 @@ class DecodeStack {
   // items (rotary and cache write included); a barrier between dependent ops.
   // With several tokens per sequence (starts defined), a row's items read the keys of its sequence's
   // earlier rows: every row's k and v are written first, then a barrier, then the items attend.
+  // LoRA adapters (`lora`): each thread adds the updates of its own rows right after the barrier that ends
+  // a GEMM, then (qkv only: attention reads every row) one more barrier. An adapted [gate | up] is
+  // computed whole, updated, then activated row by row.
   at::Tensor forward_team(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
-                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& starts) const {
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& starts,
+                          const LoRARows& lora) const {
     const int64_t B = input_ids.numel(), S = seq_lens.numel();  // B tokens of S sequences
     const int64_t hidden = embedding_.size(1), q_size = num_heads_ * head_dim_;
     const int64_t qkv_width = (num_heads_ + 2 * num_kv_heads_) * head_dim_, half = head_dim_ / 2;
@@ -469,6 +619,8 @@ class DecodeStack {
     const auto f32 = residual.options();
     at::Tensor qkv = at::empty({B, qkv_width}, f32), attn = at::empty({B, q_size}, f32);
     at::Tensor h = at::empty({B, std::get<3>(layers_[0].gate_up) / 2}, f32);
+    const bool adapted = lora.any();
+    at::Tensor gate_up = adapted ? at::empty({B, 2 * h.size(1)}, f32) : at::Tensor();  // before the activation
     Rows rows = rows_for(B);
     const bool multi = starts.defined();  // some sequence has several query tokens
     const attn::avx512::Plan plan = attn::avx512::plan_items(multi ? starts.data_ptr<int32_t>() : nullptr, len, S,
@@ -478,6 +630,7 @@ class DecodeStack {
     float* qkv_p = qkv.data_ptr<float>();
     float* attn_p = attn.data_ptr<float>();
     float* hp = h.data_ptr<float>();
+    float* gu_p = adapted ? gate_up.data_ptr<float>() : nullptr;
     const float* cos_rows = cos.data_ptr<float>();
     const float* sin_rows = sin.data_ptr<float>();
     const int64_t* slot = slots.data_ptr<int64_t>();
@@ -506,12 +659,17 @@ class DecodeStack {
       const int64_t r0 = share.first, r1 = share.second;  // this thread's rows
       attn::avx512::Worker<int8_t> int8_worker;
       attn::avx512::Worker<at::BFloat16> bf16_worker;
+      std::vector<float> lora_t(4 * lora.max_width);  // this thread's scratch for a row's LoRA update
       prepare_rows(layers_[0].qkv, xp, hidden, r0, r1, rows);
       for (size_t l = 0; l < layers_.size(); ++l) {
         const Layer& layer = layers_[l];
         team.sync();
         gemm_share(layer.qkv, rows, B, qkv_p, false, t, T);
         team.sync();
+        if (adapted) {
+          lora.add(layer.lora[0], xp, hidden, qkv_p, qkv_width, r0, r1, lora_t.data());
+          team.sync();
+        }
         const auto attend = [&](auto* cache, auto& worker) {
           const int64_t cache_half = layer.kv_cache.numel() / 2;
           // Token row's kv heads [kvh0, kvh0 + heads): rotated, k and v into its cache slot.
@@ -546,18 +704,27 @@ class DecodeStack {
         team.sync();
         gemm_share(layer.o, rows, B, xp, false, t, T);  // x <- the attention's output projection
         team.sync();
+        if (adapted) lora.add(layer.lora[1], attn_p, q_size, xp, hidden, r0, r1, lora_t.data());
         if (all_reduce_ && !reduce_x(team, t)) break;
         for (int64_t m = r0; m < r1; ++m)
           ops::add_rms_norm_row(xp + m * hidden, rp + m * hidden, layer.post_attention_norm.data_ptr<float>(), hidden,
                                 eps);
         prepare_rows(layer.gate_up, xp, hidden, r0, r1, rows);
         team.sync();
-        gemm_share(layer.gate_up, rows, B, hp, true, t, T);
-        team.sync();
+        if (adapted) {
+          gemm_share(layer.gate_up, rows, B, gu_p, false, t, T);
+          team.sync();
+          lora.add(layer.lora[2], xp, hidden, gu_p, 2 * inter, r0, r1, lora_t.data());
+          for (int64_t m = r0; m < r1; ++m) ops::silu_mul_row(gu_p + m * 2 * inter, hp + m * inter, inter);
+        } else {
+          gemm_share(layer.gate_up, rows, B, hp, true, t, T);
+          team.sync();
+        }
         prepare_rows(layer.down, hp, inter, r0, r1, rows);
         team.sync();
         gemm_share(layer.down, rows, B, xp, false, t, T);  // x <- the MLP's output
         team.sync();
+        if (adapted) lora.add(layer.lora[3], hp, inter, xp, hidden, r0, r1, lora_t.data());
         if (all_reduce_ && !reduce_x(team, t)) break;
         const at::Tensor& next_norm = l + 1 < layers_.size() ? layers_[l + 1].input_norm : final_norm_;
         for (int64_t m = r0; m < r1; ++m)
@@ -604,7 +771,8 @@ class DecodeStack {
   double eps_, scale_;
   at::Tensor final_norm_, embedding_, cos_, sin_;
   std::vector<Layer> layers_;
-  pybind11::object all_reduce_, embed_;  // null: one rank (set_tensor_parallel)
+  pybind11::object all_reduce_, embed_;         // null: one rank (set_tensor_parallel)
+  int64_t lora_slots_ = 0, lora_max_rank_ = 0;  // set_lora's slots and the rank they hold at most
 
   at::Tensor embed(const at::Tensor& input_ids) const {
     if (embed_) return embed_(input_ids).cast<at::Tensor>();
