@@ -58,6 +58,9 @@ inline at::Tensor linear_silu_mul(const PackedLinear& w, const at::Tensor& x) {
 // A verification step's query: 1 + k tokens per sequence, k up to 8 draft tokens.
 constexpr int64_t kMaxQueryLen = 9;
 
+// Token rows of one adapter whose LoRA updates are computed together, sharing each load of its weights.
+constexpr int kLoRARows = 4;
+
 // One adapted linear layer's LoRA adapters, stacked by slot (models/layers/lora.py): a [slots, R, in] and
 // bt [slots, R, out] bf16 (half the bytes a step streams), read in place; `sizes`: the output columns of
 // each piece (q, k, v; gate, up; or the one). An adapter of rank r has piece p's A rows and B^T rows at
@@ -90,7 +93,7 @@ struct LoRASlots {
 
   // y_r += (x_r A^T) B^T for R token rows of the adapter in `slot`, of rank `rank`: each piece's rank
   // dot products with the rows, then their sums into that piece's own columns only. The R rows share
-  // every load of A and B^T. t: R * 3 * rank floats.
+  // every load of A and B^T (R <= kLoRARows). t: R * 3 * rank floats.
   template <int R>
   void add_rows(int64_t slot, int64_t rank, const float* const* x, float* const* y, float* t) const {
     const uint16_t* a = a_p + slot * rows * in;
@@ -109,9 +112,9 @@ struct LoRASlots {
   template <int R>
   void shrink(const uint16_t* aj, const float* const* x, float* t, int64_t width) const {
     int64_t i = 0;
-    float sums[4] = {0.f, 0.f, 0.f, 0.f};
+    float sums[kLoRARows] = {};
 #ifdef __AVX512F__
-    __m512 acc[4];
+    __m512 acc[kLoRARows];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (; i < in; i += 16) {
       const __mmask16 k = tail(i, in);
@@ -133,7 +136,7 @@ struct LoRASlots {
 #ifdef __AVX512F__
     for (; i < n; i += 16) {  // the R rows' sums stay in registers over the rank
       const __mmask16 k = tail(i, n);
-      __m512 acc[4];
+      __m512 acc[kLoRARows];
       for (int r = 0; r < R; ++r) acc[r] = _mm512_maskz_loadu_ps(k, y[r] + col + i);
       for (int64_t j = 0; j < rank; ++j) {
         const __m512 bv = load16(b + j * out + i, k);
@@ -174,8 +177,8 @@ struct LoRARows {
     return rows;
   }
 
-  // y[m] += row m's update, for rows [m0, m1) that run an adapter, up to 4 rows of one adapter at a
-  // time; x, y: row-major, strides ldx, ldy; t: scratch of 4 * max_width floats.
+  // y[m] += row m's update, for rows [m0, m1) that run an adapter, up to kLoRARows rows of one adapter
+  // at a time; x, y: row-major, strides ldx, ldy; t: scratch of kLoRARows * max_width floats.
   void add(const LoRASlots& w, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t m0, int64_t m1,
            float* t) const {
     for (int64_t m = m0; m < m1;) {
@@ -184,14 +187,13 @@ struct LoRARows {
         continue;
       }
       int64_t n = 1;
-      while (n < 4 && m + n < m1 && slot[m + n] == slot[m]) ++n;
-      const float* xs[4];
-      float* ys[4];
+      while (n < kLoRARows && m + n < m1 && slot[m + n] == slot[m]) ++n;
+      n = n >= 4 ? 4 : n >= 2 ? 2 : 1;  // the kernels' row counts
+      const float* xs[kLoRARows];
+      float* ys[kLoRARows];
       for (int64_t r = 0; r < n; ++r) xs[r] = x + (m + r) * ldx, ys[r] = y + (m + r) * ldy;
       if (n == 4)
         w.add_rows<4>(slot[m], rank[m], xs, ys, t);
-      else if (n == 3)
-        w.add_rows<3>(slot[m], rank[m], xs, ys, t);
       else if (n == 2)
         w.add_rows<2>(slot[m], rank[m], xs, ys, t);
       else
@@ -205,7 +207,7 @@ struct LoRARows {
     const float* xp = x.data_ptr<float>();
     float* yp = y.data_ptr<float>();
     at::parallel_for(0, static_cast<int64_t>(slot.size()), 1, [&](int64_t m0, int64_t m1) {
-      std::vector<float> t(4 * max_width);
+      std::vector<float> t(kLoRARows * max_width);
       add(w, xp, x.stride(0), yp, y.stride(0), m0, m1, t.data());
     });
   }
@@ -659,7 +661,7 @@ class DecodeStack {
       const int64_t r0 = share.first, r1 = share.second;  // this thread's rows
       attn::avx512::Worker<int8_t> int8_worker;
       attn::avx512::Worker<at::BFloat16> bf16_worker;
-      std::vector<float> lora_t(4 * lora.max_width);  // this thread's scratch for a row's LoRA update
+      std::vector<float> lora_t(kLoRARows * lora.max_width);  // this thread's scratch for a row's LoRA update
       prepare_rows(layers_[0].qkv, xp, hidden, r0, r1, rows);
       for (size_t l = 0; l < layers_.size(); ++l) {
         const Layer& layer = layers_[l];
