@@ -139,3 +139,13 @@ def test_packed_weights_in_one_parallel_region_match_layer_by_layer(tmp_path: Pa
         for g_step, w_step in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
             for token, entry in w_step.items():
                 assert g_step[token].logprob == pytest.approx(entry.logprob, abs=1e-3)
+
+
+@pytest.mark.timeout(180)  # a broken collective must fail the test, never hang CI
+def test_tensor_parallel_ranks_shard_the_adapters(llama_model: Path, adapters: dict[str, Any]) -> None:
+    """Two ranks: each keeps its share of every adapter (B's rows of a column-parallel layer, A's columns
+    of a row-parallel one); the tokens equal HF + PEFT merged."""
+    prompts, loras, expected = _mixed(adapters)
+    kwargs: dict[str, Any] = dict(dtype="float32", num_kv_blocks=128, enable_lora=True, max_lora_rank=8)
+    with LLM(str(llama_model), tensor_parallel_size=2, **kwargs) as llm:
+        assert _tokens(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)) == expected

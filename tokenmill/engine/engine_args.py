@@ -123,11 +123,9 @@ def resolve_parallel(args: EngineArgs, hf_config: Any, speculative: SpeculativeC
 
 
 def resolve_lora(args: EngineArgs) -> LoRAConfig | None:
-    """The checked LoRAConfig (None: LoRA off), and nothing asked that adapters do not serve yet."""
+    """The checked LoRAConfig (None: LoRA off)."""
     if not args.enable_lora:
         return None
-    if args.tensor_parallel_size > 1:
-        raise ValueError("LoRA adapters are served with tensor_parallel_size 1 only (for now).")
     return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
 
 

@@ -3,7 +3,12 @@
 used dropped), and each step's runs of rows per adapter.
 
 The scheduler never runs more than `max_loras` distinct adapters at once, so a step's adapters always
-find slots: one already holding it, a free one, or the least recently used one no row of the step needs."""
+find slots: one already holding it, a free one, or the least recently used one no row of the step needs.
+
+Under tensor parallelism each rank keeps its share, as its base layers are split: a column-parallel
+layer's (qkv_proj, gate_up_proj) B rows of its own output columns and all of A; a row-parallel layer's
+(o_proj, down_proj) A columns of its own inputs and all of B, so its partial update is summed over the
+ranks with the base output's: sum_r (x_r A_r^T) B^T = (x A^T) B^T."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import LoRAConfig
+from tokenmill.distributed.parallel_state import tp_rank, tp_world_size
 from tokenmill.lora.adapter import LoRAAdapter, load_adapter
 from tokenmill.lora_request import LoRARequest
 from tokenmill.models.layers.lora import LoRAContext, LoRALinear, LoRARun
@@ -43,8 +49,11 @@ class LoRASlots:
         self.dtype = dtype
         self.context = LoRAContext()
         self.layers: list[dict[str, LoRALinear]] = []
+        # Each layer's (module, piece) -> (dim of A or B to narrow, start) of this rank's share.
+        self.shards: list[dict[str, tuple[str, int, int]]] = []
         n, r = config.max_loras, config.max_lora_rank
         hidden = int(hf_config.hidden_size)
+        world, rank = tp_world_size(), tp_rank()
         for i, layer in enumerate(cast(nn.ModuleList, model.layers)):
             attn, mlp = cast(Any, layer.self_attn), cast(Any, layer.mlp)
             if not hasattr(attn, "qkv_lora") or not hasattr(mlp, "gate_up_lora"):
@@ -53,7 +62,21 @@ class LoRASlots:
                     "blocks are not adapted yet); serve this model without --enable-lora."
                 )
             q, kv = attn.qkv_proj.q_size, attn.qkv_proj.kv_size
-            inter = int(hf_config.intermediate_size)
+            inter = int(hf_config.intermediate_size) // world
+            kv_start = (
+                rank * attn.num_kv_heads if world <= _kv_heads(hf_config) else rank * _kv_heads(hf_config) // world
+            )
+            self.shards.append(
+                {
+                    "q_proj": ("b", rank * q, q),
+                    "k_proj": ("b", kv_start * attn.head_dim, kv),
+                    "v_proj": ("b", kv_start * attn.head_dim, kv),
+                    "gate_proj": ("b", rank * inter, inter),
+                    "up_proj": ("b", rank * inter, inter),
+                    "o_proj": ("a", rank * q, q),
+                    "down_proj": ("a", rank * inter, inter),
+                }
+            )
             shapes = {"qkv": (hidden, [q, kv, kv]), "o": (q, [hidden]), "gate_up": (hidden, [inter, inter])}
             shapes["down"] = (inter, [hidden])
             linears = {
@@ -110,10 +133,19 @@ class LoRASlots:
 
     def _write(self, slot: int, lora: LoRARequest) -> None:
         adapter = self._read(lora)
-        for linears, weights in zip(self.layers, adapter.layers):
+        for linears, shards, weights in zip(self.layers, self.shards, adapter.layers):
             for name, linear in linears.items():
-                pieces = [weights.get(piece) for piece in PIECES[name]]
-                linear.write(slot, adapter.rank, [None if w is None else (w.a, w.b) for w in pieces])
+                pieces: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+                for piece in PIECES[name]:
+                    w = weights.get(piece)
+                    if w is None:
+                        pieces.append(None)
+                        continue
+                    which, start, size = shards[piece]  # this rank's share (all of it at world size 1)
+                    a = w.a.narrow(1, start, size) if which == "a" else w.a
+                    b = w.b.narrow(0, start, size) if which == "b" else w.b
+                    pieces.append((a, b))
+                linear.write(slot, adapter.rank, pieces)
         self.resident[slot] = lora
         self.ranks[slot] = adapter.rank
 
@@ -127,3 +159,7 @@ class LoRASlots:
         while len(self.read) > self.config.cpu_loras:
             self.read.popitem(last=False)
         return adapter
+
+
+def _kv_heads(hf_config: Any) -> int:
+    return int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
