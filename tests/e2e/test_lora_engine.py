@@ -75,14 +75,20 @@ def test_mixed_base_and_adapters_match_peft_merged(
 
 
 def test_more_adapters_than_slots_wait_and_swap(llama_model: Path, adapters: dict[str, Any]) -> None:
-    """One resident slot: requests for the other adapter wait until the first's finish, then it loads."""
+    """One resident slot: requests for the other adapter wait until the first's finish, then it loads; the
+    first, asked for again, evicts it and loads again."""
     prompts, loras, expected = _mixed(adapters)
     with LLM(
         str(llama_model), dtype="float32", num_kv_blocks=256, enable_lora=True, max_loras=1, max_lora_rank=8
     ) as llm:
         assert _tokens(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)) == expected
         slots = llm.engine.runner.loras
-        assert slots is not None and len(slots.resident) == 1
+        assert slots is not None and slots.resident == [adapters["requests"]["two"]]
+        # "one" comes back: it takes the slot again (read from memory: --max-cpu-loras defaults to 1 here,
+        # so from disk), with the same tokens.
+        again = llm.generate(prompts[:3], GREEDY, lora_request=adapters["requests"]["one"], use_tqdm=False)
+        assert _tokens(again) == adapters["greedy"]["one"][:3]
+        assert slots.resident == [adapters["requests"]["one"]] and list(slots.read) == [adapters["requests"]["one"]]
 
 
 def test_the_prefix_cache_never_crosses_adapters(llama_model: Path, adapters: dict[str, Any]) -> None:

@@ -104,6 +104,7 @@ class ModelRunner:
         self.draft_config: ModelConfig | None = None
         self.proposer: Proposer | None = self._make_proposer()
         self.cuda_graphs: CudaGraphRunner | None = None  # set by capture_cuda_graphs
+        self.cuda_graph_capture_s: float | None = None
         # LoRA adapters (--enable-lora): their slots in every adapted layer; None: no adapters served.
         self.loras: LoRASlots | None = None
         if config.lora is not None:
@@ -111,7 +112,6 @@ class ModelRunner:
             self.loras = LoRASlots(module, config.lora, hf_config, dtype, self.device)
             if self.fused_decode is not None:
                 self.fused_decode.bind_loras(self.loras.layers)
-        self.cuda_graph_capture_s: float | None = None
 
     def _make_proposer(self) -> Proposer | None:
         spec = self.config.speculative
