@@ -112,7 +112,7 @@ class LoRASlots:
                 else:
                     runs.append(LoRARun(slot, start, start + rows, self.ranks[slot]))
             start += rows
-        self.context.set_runs(runs)
+        self.context.set_runs(runs, start)
         return bool(runs)
 
     def end_step(self) -> None:

@@ -24,7 +24,6 @@ from tokenmill.models.layers.linear import (
     QKVLinear,
     RowParallelLinear,
     default_weight_loader,
-    silu_and_mul,
 )
 from tokenmill.models.layers.lora import LoRALinear
 from tokenmill.models.layers.norm import RMSNorm
@@ -108,9 +107,12 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         n = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [num_tokens, (Hq + 2 * Hkv) * D]
-        if self.qkv_lora is not None:
-            self.qkv_lora.add_to(hidden, qkv)
+        # The LoRA adapters of qkv_proj and o_proj, when some rows of the step run one.
+        qkv_lora, o_lora = self.qkv_lora, self.o_lora
+        if qkv_lora is not None and o_lora is not None and qkv_lora.context.runs:
+            qkv = qkv_lora.apply(self.qkv_proj, hidden)  # [num_tokens, (Hq + 2 * Hkv) * D]
+        else:
+            qkv, o_lora = self.qkv_proj(hidden), None
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
@@ -133,10 +135,9 @@ class Attention(nn.Module):
             logit_softcap=self.logit_softcap,
         )
         out = out.reshape(n, self.num_heads * self.head_dim)
-        projected = self.o_proj(out)  # [num_tokens, hidden], partial
-        if self.o_lora is not None:
-            self.o_lora.add_to(out, projected)
-        out = projected
+        out = (
+            o_lora.apply(self.o_proj, out) if o_lora is not None else self.o_proj(out)
+        )  # [num_tokens, hidden], partial
         return all_reduce_(out) if self.tensor_parallel else out
 
 
@@ -156,11 +157,8 @@ class MLP(nn.Module):
         if self.gate_up_lora is None or self.down_lora is None or not self.gate_up_lora.context.runs:
             out = self.down_proj(self.gate_up_proj.silu_and_mul(x))
             return all_reduce_(out) if self.tensor_parallel else out
-        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]: the update lands before the activation
-        self.gate_up_lora.add_to(x, gate_up)
-        h = silu_and_mul(gate_up)
-        out = self.down_proj(h)
-        self.down_lora.add_to(h, out)
+        h = self.gate_up_lora.apply(self.gate_up_proj, x, silu_mul=True)  # the update lands before the activation
+        out = self.down_lora.apply(self.down_proj, h)
         return all_reduce_(out) if self.tensor_parallel else out
 
 

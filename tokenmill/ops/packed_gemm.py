@@ -71,3 +71,18 @@ def packed_linear_silu_mul(
     """silu(gate) * up of a packed [gate | up] projection, in the GEMM's epilogue: [M, out_features / 2]
     float32; each half must be whole panels of 16 channels."""
     return torch.ops.tokenmill_quant.packed_linear_silu_mul(x, packed, scale, bias, out_features)
+
+
+def packed_linear_lora(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    out_features: int,
+    silu_mul: bool,
+    lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """packed_linear of bf16 panels on AMX tiles (where amx()), or its silu(gate) * up, with LoRA adapters'
+    updates added in the epilogue: `lora` = (slot, rank [M] int32 (slot -1: none), t [M, W] float32 = x A^T,
+    bt [slots, R, out_features] float32, piece_end [pieces] int64: whole panels but the last)."""
+    return torch.ops.tokenmill_quant.packed_linear_lora(x, packed, scale, bias, out_features, silu_mul, *lora)

@@ -12,6 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
+from tokenmill.models.layers.linear import silu_and_mul
+from tokenmill.ops import packed_gemm
+from tokenmill.quant.bf16 import Bf16Linear, PackedFloatLinear
+from tokenmill.quant.panels import PANEL
 
 
 @dataclass(frozen=True)
@@ -31,11 +37,19 @@ class LoRAContext:
         self.runs: list[LoRARun] = []
         # The same runs as the fused decode stack takes them: [num_runs, 4] int64 (slot, start, end, rank).
         self.runs_tensor = torch.empty(0, 4, dtype=torch.int64)
+        # Per row, as the packed GEMM's LoRA epilogue takes them: [num_rows] int32 slot (-1: none) and rank.
+        self.row_slot = torch.empty(0, dtype=torch.int32)
+        self.row_rank = torch.empty(0, dtype=torch.int32)
 
-    def set_runs(self, runs: list[LoRARun]) -> None:
+    def set_runs(self, runs: list[LoRARun], num_rows: int = 0) -> None:
         self.runs = runs
         rows = [[r.slot, r.start, r.end, r.rank] for r in runs]
         self.runs_tensor = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+        self.row_slot = torch.full((num_rows,), -1, dtype=torch.int32)
+        self.row_rank = torch.zeros(num_rows, dtype=torch.int32)
+        for r in runs:
+            self.row_slot[r.start : r.end] = r.slot
+            self.row_rank[r.start : r.end] = r.rank
 
 
 class LoRALinear:
@@ -55,6 +69,9 @@ class LoRALinear:
         self.piece_sizes = piece_sizes  # output columns of each piece (q, k, v; gate, up; or the one)
         self.pieces = len(piece_sizes)
         rows = self.pieces * max_rank
+        ends = [sum(piece_sizes[: i + 1]) for i in range(len(piece_sizes))]
+        self.piece_end = torch.tensor(ends, dtype=torch.int64)  # for the packed GEMM's epilogue
+        self.whole_panels = all(end % PANEL == 0 for end in ends[:-1])
         self.a = torch.zeros(num_slots, rows, in_features, dtype=dtype, device=device)  # [slots, R, in]
         self.bt = torch.zeros(num_slots, rows, sum(piece_sizes), dtype=dtype, device=device)  # [slots, R, out]
         # bf16 copies, for the fused CPU decode stack: a decode step streams every adapter's weights, and
@@ -75,6 +92,38 @@ class LoRALinear:
             col += size
         self.a16[slot].copy_(self.a[slot])
         self.bt16[slot].copy_(self.bt[slot])
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """layer(x) with the step's updates (then silu(gate) * up of it with silu_mul): in the packed GEMM's
+        epilogue where the layer runs bf16 panels on AMX tiles (the output is written once, and [gate | up]
+        keeps its activation there), else added after it."""
+        if self._in_epilogue(layer, x, silu_mul):
+            assert isinstance(layer, PackedFloatLinear)
+            t = torch.zeros(x.shape[0], self.a.shape[1], dtype=torch.float32)  # [num_tokens, R]: x A^T
+            for run in self.context.runs:
+                k = self.pieces * run.rank
+                torch.mm(x[run.start : run.end], self.a[run.slot, :k].t(), out=t[run.start : run.end, :k])
+            ctx = self.context
+            lora = (ctx.row_slot, ctx.row_rank, t, self.bt, self.piece_end)
+            return packed_gemm.packed_linear_lora(
+                x, layer.packed, layer.ones, layer.bias, layer.out_features, silu_mul, lora
+            )
+        out = layer(x)
+        self.add_to(x, out)
+        return silu_and_mul(out) if silu_mul else out
+
+    def _in_epilogue(self, layer: nn.Module, x: torch.Tensor, silu_mul: bool) -> bool:
+        return (
+            isinstance(layer, Bf16Linear)
+            and layer.pairs
+            and self.whole_panels
+            and x.dtype == torch.float32
+            and x.is_contiguous()
+            and self.a.dtype == torch.float32
+            and packed_gemm.amx()
+            and (not silu_mul or layer.out_features % (2 * PANEL) == 0)
+            and self.context.row_slot.numel() == x.shape[0]
+        )
 
     def add_to(
         self,

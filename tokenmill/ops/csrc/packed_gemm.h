@@ -563,10 +563,56 @@ inline at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, c
 #endif
 }
 
+// packed_linear of bf16 panels on AMX tiles, plus LoRA adapters' updates in its epilogue (amx::LoRAEpilogue):
+// slot, rank [M] int32 (slot -1: none); t [M, W] float32 (x A^T); bt [slots, R, N] float32; piece_end
+// [pieces] int64, multiples of 16 but the last (N). Only where amx_on(): the caller checks.
+inline at::Tensor packed_linear_lora(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                     const at::Tensor& bias, int64_t N, bool silu_mul, const at::Tensor& slot,
+                                     const at::Tensor& rank, const at::Tensor& t, const at::Tensor& bt,
+                                     const at::Tensor& piece_end) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [M, K] float32");
+  check_packed(packed, scale, bias, x.size(1), N, silu_mul);
+  const int64_t M = x.size(0), pieces = piece_end.numel();
+  TORCH_CHECK(slot.scalar_type() == at::kInt && rank.scalar_type() == at::kInt && slot.numel() == M &&
+                  rank.numel() == M && slot.is_contiguous() && rank.is_contiguous(),
+              "slot, rank: [M] int32");
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == M && t.is_contiguous(),
+              "t: [M, W] float32");
+  TORCH_CHECK(bt.scalar_type() == at::kFloat && bt.dim() == 3 && bt.size(2) == N && bt.is_contiguous(),
+              "bt: [slots, R, N] float32");
+  TORCH_CHECK(piece_end.scalar_type() == at::kLong && pieces >= 1 && piece_end.is_contiguous(),
+              "piece_end: [pieces] int64");
+  const int64_t* ends = piece_end.data_ptr<int64_t>();
+  for (int64_t p = 0; p < pieces; ++p)
+    TORCH_CHECK(ends[p] > (p > 0 ? ends[p - 1] : 0) && (p + 1 < pieces ? ends[p] % kPanel == 0 : ends[p] == N),
+                "piece_end: rising, whole panels, the last N");
+  const int32_t* s = slot.data_ptr<int32_t>();
+  const int32_t* r = rank.data_ptr<int32_t>();
+  for (int64_t m = 0; m < M; ++m)  // the epilogue trusts these to address t and bt
+    TORCH_CHECK(s[m] < bt.size(0) && (s[m] < 0 || (r[m] >= 1 && pieces * r[m] <= std::min(bt.size(1), t.size(1)))),
+                "slot, rank: out of range at row ", m);
+#ifdef TM_AMX
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && amx_on(), "packed_linear_lora: bf16 panels on AMX tiles only");
+  const amx::LoRAEpilogue lora{s, r, t.data_ptr<float>(), t.size(1), bt.data_ptr<float>(), bt.size(1), ends, pieces};
+  return amx::linear(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), packed.size(0),
+                     packed.size(1), bias, N, silu_mul, &lora);
+#else
+  TORCH_CHECK(false, "packed_linear_lora: this build has no AMX kernels");
+  return at::Tensor();
+#endif
+}
+
 // The registered ops (packed_gemm.cpp).
 inline at::Tensor packed_linear_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                                    const at::Tensor& bias, int64_t N) {
   return packed_linear(x, packed, scale, bias, N, false);
+}
+
+inline at::Tensor packed_linear_lora_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                        const at::Tensor& bias, int64_t N, bool silu_mul, const at::Tensor& slot,
+                                        const at::Tensor& rank, const at::Tensor& t, const at::Tensor& bt,
+                                        const at::Tensor& piece_end) {
+  return packed_linear_lora(x, packed, scale, bias, N, silu_mul, slot, rank, t, bt, piece_end);
 }
 
 inline at::Tensor packed_linear_silu_mul_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,

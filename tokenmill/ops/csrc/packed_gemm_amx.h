@@ -89,6 +89,39 @@ inline void tiles(const uint16_t* a, int64_t lda, const uint16_t* const (&b)[NB]
   if constexpr (NA == 2 && NB == 2) _tile_stored(3, c + kTileRows * ldc + kPanel, ldc * 4);
 }
 
+// LoRA adapters' updates in the epilogue (models/layers/lora.py): before a C tile is stored, each row
+// that runs an adapter gains t[row] B^T on the tile's columns, t = x A^T computed beforehand, so the
+// update never reads and writes the output again, and [gate | up] keeps its activation here.
+struct LoRAEpilogue {
+  const int32_t* slot;  // [M]: the adapter slot of each row, -1: the base model
+  const int32_t* rank;  // [M]
+  const float* t;       // [M, ldt]: x A^T of the row's adapter, piece p's rank columns at p * rank
+  int64_t ldt;
+  const float* bt;           // [slots, R, N]: B^T of each slot, piece p's rows at [p * rank, (p + 1) * rank)
+  int64_t R;                 // rows of a slot
+  const int64_t* piece_end;  // piece p holds the output columns [piece_end[p - 1], piece_end[p]): whole panels
+  int64_t pieces;
+
+  // c (rows of a C tile, ldc floats apart) += the updates of rows [m, m + rows) on `panel`'s columns.
+  void add(float* c, int64_t ldc, int64_t m, int64_t rows, int64_t panel, int64_t N) const {
+    const int64_t n0 = panel * kPanel, cols = std::min(kPanel, N - n0);
+    const __mmask16 k = cols == kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
+    int64_t p = 0;
+    while (p + 1 < pieces && n0 >= piece_end[p]) ++p;
+    for (int64_t i = 0; i < rows; ++i) {
+      const int32_t s = slot[m + i];
+      if (s < 0) continue;
+      const int64_t r = rank[m + i];
+      const float* ti = t + (m + i) * ldt + p * r;
+      const float* b = bt + (s * R + p * r) * N + n0;
+      __m512 acc = _mm512_load_ps(c + i * ldc);
+      for (int64_t j = 0; j < r; ++j)
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(ti[j]), _mm512_maskz_loadu_ps(k, b + j * N), acc);
+      _mm512_store_ps(c + i * ldc, acc);
+    }
+  }
+};
+
 // What a call needs: the weights (bf16 k-pair panels), the rows, the output and its epilogue.
 struct Problem {
   const uint16_t* weights;  // [P, KP / 2, 16, 2]
@@ -98,6 +131,7 @@ struct Problem {
   float* y;           // [M, ldy]
   int64_t N, ldy;     // ldy: N, or N / 2 with silu_mul
   int64_t up_panels;  // silu_mul: panel q pairs with q + up_panels (avx512::Problem::up_panels); 0: plain
+  const LoRAEpilogue* lora = nullptr;  // LoRA updates before the epilogue's store (none: nullptr)
 };
 
 // The panels of pair q: 2q and 2q + 1, or with silu_mul q and q + P / 2 (gate and up of the same channels).
@@ -124,6 +158,10 @@ inline void run_unit(const Problem& pr, int64_t m, int64_t rows, int64_t q) {
       tiles<2, 1>(a, pr.KP, b, pr.KP, c, ldc);
     else
       tiles<1, 1>(a, pr.KP, b, pr.KP, c, ldc);
+  }
+  if (pr.lora != nullptr) {
+    pr.lora->add(c, ldc, m, rows, p0, pr.N);
+    if (p1 < pr.P) pr.lora->add(c + kPanel, ldc, m, rows, p1, pr.N);
   }
   if (pr.up_panels) {
     const int64_t g0 = p0 * kPanel, u0 = p1 * kPanel;
@@ -181,11 +219,11 @@ inline void share_units(int64_t M, int64_t P, const Configure& configure, const 
 // x [M, K] float32 @ bf16 k-pair panels wp ([P, KP, 16], KP a multiple of kTileK) -> [M, N] float32
 // (+ bias), or with silu_mul -> [M, N / 2] (see Problem).
 inline at::Tensor linear(const at::Tensor& x, const uint16_t* wp, int64_t P, int64_t KP, const at::Tensor& bias,
-                         int64_t N, bool silu_mul) {
+                         int64_t N, bool silu_mul, const LoRAEpilogue* lora = nullptr) {
   const int64_t M = x.size(0), K = x.size(1), ldy = silu_mul ? N / 2 : N;
   at::Tensor y = at::empty({M, ldy}, x.options());
   const avx512::Buffer<uint16_t> a = bf16_rows(x.data_ptr<float>(), M, K, KP);
-  const Problem pr{wp, P, KP, a.get(), bias.data_ptr<float>(), y.data_ptr<float>(), N, ldy, silu_mul ? P / 2 : 0};
+  const Problem pr{wp, P, KP, a.get(), bias.data_ptr<float>(), y.data_ptr<float>(), N, ldy, silu_mul ? P / 2 : 0, lora};
   share_units(
       M, P, [&] { configure(std::min(M, kTileRows)); },
       [&](int64_t m0, int64_t q) {
