@@ -19,6 +19,13 @@ from tokenmill.ops import packed_gemm
 from tokenmill.quant.bf16 import Bf16Linear, PackedFloatLinear
 from tokenmill.quant.panels import PANEL
 
+# The highest rank whose updates run in the AMX GEMM's epilogue: there they are float32 FMAs, rank per 16
+# outputs of each row, so their cost grows with the rank, while added after the GEMM (a BLAS product, then
+# the output read and written again) most of the cost is that second pass. Measured on the embedded model,
+# 4 adapters (BENCHMARKS.md): rank 8 in the epilogue 0.84-0.88x the base, after it 0.80x; rank 64 in the
+# epilogue 0.46-0.48x, after it 0.53x.
+EPILOGUE_MAX_RANK = 16
+
 
 @dataclass(frozen=True)
 class LoRARun:
@@ -123,6 +130,7 @@ class LoRALinear:
             and packed_gemm.amx()
             and (not silu_mul or layer.out_features % (2 * PANEL) == 0)
             and self.context.row_slot.numel() == x.shape[0]
+            and max(run.rank for run in self.context.runs) <= EPILOGUE_MAX_RANK
         )
 
     def add_to(

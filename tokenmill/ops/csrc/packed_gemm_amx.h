@@ -114,10 +114,14 @@ struct LoRAEpilogue {
       const int64_t r = rank[m + i];
       const float* ti = t + (m + i) * ldt + p * r;
       const float* b = bt + (s * R + p * r) * N + n0;
-      __m512 acc = _mm512_load_ps(c + i * ldc);
-      for (int64_t j = 0; j < r; ++j)
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(ti[j]), _mm512_maskz_loadu_ps(k, b + j * N), acc);
-      _mm512_store_ps(c + i * ldc, acc);
+      // Four sums over the rank, so the FMAs overlap instead of waiting on one another.
+      __m512 acc[4] = {_mm512_load_ps(c + i * ldc), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      int64_t j = 0;
+      for (; j + 4 <= r; j += 4)
+        for (int u = 0; u < 4; ++u)
+          acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(ti[j + u]), _mm512_maskz_loadu_ps(k, b + (j + u) * N), acc[u]);
+      for (; j < r; ++j) acc[0] = _mm512_fmadd_ps(_mm512_set1_ps(ti[j]), _mm512_maskz_loadu_ps(k, b + j * N), acc[0]);
+      _mm512_store_ps(c + i * ldc, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
     }
   }
 };
