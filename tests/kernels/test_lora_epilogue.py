@@ -69,3 +69,21 @@ def test_the_op_refuses_a_slot_or_rank_outside_its_tensors() -> None:
             packed_gemm.packed_linear_lora(
                 x, layer.packed, layer.ones, layer.bias, 32, False, (slot, ranks, t, bt, ends)
             )
+
+
+@needs_amx
+def test_ranks_above_the_epilogue_limit_add_the_update_after_the_gemm() -> None:
+    """The epilogue's cost grows with the rank (float32 FMAs): above EPILOGUE_MAX_RANK the update is a
+    BLAS product added after the GEMM, with the same result."""
+    from tokenmill.models.layers.lora import EPILOGUE_MAX_RANK
+
+    rank = 2 * EPILOGUE_MAX_RANK
+    context = LoRAContext()
+    context.set_runs([LoRARun(0, 0, 20, rank)], 20)
+    lora = _lora(context, 64, [64], [rank])
+    layer = Bf16Linear(torch.randn(64, 64) * 0.1, None)
+    x = torch.randn(20, 64)
+    assert not lora._in_epilogue(layer, x, False)
+    want = layer(x)
+    lora.add_to(x, want)
+    torch.testing.assert_close(lora.apply(layer, x), want)
