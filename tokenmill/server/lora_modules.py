@@ -45,10 +45,8 @@ class LoRAModules:
 
     def load(self, name: str, path: str) -> LoRARequest:
         """Serve the adapter in `path` as `name` (checked first: check_new's ValueError)."""
-        self.check_new(name, path)  # a second check of the same folder is a cache hit
+        self.check_new(name, path)  # the folder's checks run once (AdapterChecker): here the name's again
         lora = LoRARequest(name, next(self._ids), _folder(path))
-        assert self.engine.loras is not None  # check_new raised otherwise
-        self.engine.loras.check(lora)
         self.by_name[name] = lora
         self.created[name] = int(time.time())
         return lora
