@@ -78,16 +78,17 @@ def test_a_failing_step_ends_only_its_requests(chat_model: Path) -> None:
 def test_steps_failing_in_a_row_restart_the_engine(chat_model: Path) -> None:
     with run_server(chat_model, max_num_seqs=4) as server:
         old_core = server.core
-        real_forward = old_core.runner._forward
         lost = threading.Event()
 
         def broken_forward(*args: Any, **kwargs: Any) -> Any:
-            # Once all four requests are in the engine the device is "lost": every step fails from then on.
-            # (Failing after a fixed number of steps let a late request reach the new engine and succeed.)
-            if lost.is_set() or len(old_core.scheduler.requests) >= 4:
-                lost.set()
-                raise RuntimeError("injected fault: device lost")
-            return real_forward(*args, **kwargs)
+            # The device is "lost" at the first step: every step fails from then on. That step waits until
+            # the front end holds all four requests, so none can finish first on a slow machine (failing
+            # after a fixed number of steps let a late request reach the new engine and succeed).
+            deadline = time.monotonic() + 10
+            while not lost.is_set() and len(server.engine.streams) < 4 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            lost.set()
+            raise RuntimeError("injected fault: device lost")
 
         old_core.runner._forward = broken_forward  # type: ignore[method-assign]
         results = _run_all(server, 4)
