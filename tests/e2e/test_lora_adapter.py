@@ -27,7 +27,7 @@ def make_adapter(base: Path, dest: Path, seed: int = 0, bf16_exact: bool = False
     model = peft.get_peft_model(hf_model(base), peft.LoraConfig(**options))
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "lora_B" in name:
+            if "lora_B" in name or "lora_embedding" in name:  # the embedding's A starts at zero too
                 param.normal_(0, 0.1)
             if bf16_exact and "lora_" in name:
                 param.copy_(param.bfloat16().float())
@@ -51,6 +51,23 @@ def test_base_plus_scaled_update_equals_peft_merged_weights(llama_model: Path, t
             after = merged.get_submodule(f"model.layers.{i}.{part}.{module}").weight
             torch.testing.assert_close(before + weights.b @ weights.a, after, rtol=1e-5, atol=1e-6)
     assert adapter.nbytes == sum(4 * (out + inn) * 4 for out, inn in _shapes(hf_config)) * hf_config.num_hidden_layers
+
+
+def test_embedding_and_lm_head_updates_equal_peft_merged_weights(llama_model: Path, tmp_path: Path) -> None:
+    folder, model = make_adapter(llama_model, tmp_path / "h", target_modules=["q_proj", "embed_tokens", "lm_head"])
+    config = model.base_model.model.config
+    adapter = load_adapter("h", folder, config, max_rank=8, dtype=torch.float32)
+    assert set(adapter.heads) == {"embed_tokens", "lm_head"}
+    assert all(set(layer) == {"q_proj"} for layer in adapter.layers)
+    base, merged = hf_model(llama_model), model.merge_and_unload()
+    embedding, head = adapter.heads["embed_tokens"], adapter.heads["lm_head"]
+    assert embedding.a.shape == (4, config.vocab_size) and embedding.b.shape == (config.hidden_size, 4)
+    before, after = base.model.embed_tokens.weight, merged.model.embed_tokens.weight
+    torch.testing.assert_close(before + (embedding.b @ embedding.a).t(), after, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(base.lm_head.weight + head.b @ head.a, merged.lm_head.weight, rtol=1e-5, atol=1e-6)
+    shrunk = make_tiny_model(tmp_path / "small-vocab", "llama", vocab_size=200)
+    with pytest.raises(ValueError, match="another vocabulary"):
+        load_adapter("h", folder, hf_model(shrunk).config, max_rank=8, dtype=torch.float32)
 
 
 def _shapes(hf_config: Any) -> list[tuple[int, int]]:
@@ -77,9 +94,11 @@ def test_bad_adapters_are_clear_errors(llama_model: Path, tmp_path: Path) -> Non
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no adapter_config.json"):
         load_adapter("empty", tmp_path / "empty", config, max_rank=8, dtype=torch.float32)
-    head, _ = make_adapter(llama_model, tmp_path / "head", target_modules=["q_proj", "lm_head"])
-    with pytest.raises(ValueError, match="targets \\['lm_head'\\]"):
-        load_adapter("head", head, config, max_rank=8, dtype=torch.float32)
+    odd, _ = make_adapter(llama_model, tmp_path / "odd", target_modules=["q_proj"])
+    settings = json.loads((odd / "adapter_config.json").read_text())
+    (odd / "adapter_config.json").write_text(json.dumps(settings | {"target_modules": ["q_proj", "score"]}))
+    with pytest.raises(ValueError, match="targets \\['score'\\]"):
+        load_adapter("odd", odd, config, max_rank=8, dtype=torch.float32)
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"]}))

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 
 from tests.e2e.test_lora_adapter import make_adapter
-from tests.tiny_models import hf_greedy, hf_model, random_prompts
+from tests.tiny_models import hf_greedy, hf_model, make_tiny_model, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.lora import LoRARequest
+from tokenmill.lora.adapter import TARGET_MODULES
 
 MAX_NEW = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -122,8 +123,6 @@ def test_packed_weights_in_one_parallel_region_match_layer_by_layer(tmp_path: Pa
     """bf16 (packed) weights, head_dim 32: the fused stack adds each thread's rows' updates inside its one
     parallel region (from bf16 copies of the adapters: these adapters' values are bf16 ones, and scaled
     by a power of two); its tokens and logprobs match the layer-by-layer path's."""
-    from tests.tiny_models import make_tiny_model
-
     folder = make_tiny_model(tmp_path / "llama", "llama", head_dim=32)
     one, _ = make_adapter(folder, tmp_path / "one", seed=1, bf16_exact=True)
     targets = ["q_proj", "gate_proj", "down_proj"]
@@ -145,6 +144,38 @@ def test_packed_weights_in_one_parallel_region_match_layer_by_layer(tmp_path: Pa
         for g_step, w_step in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
             for token, entry in w_step.items():
                 assert g_step[token].logprob == pytest.approx(entry.logprob, abs=1e-3)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # an LM head of its own; tied to the embedding
+def test_embedding_and_lm_head_adapters_match_peft(tmp_path: Path, family: str) -> None:
+    """An adapter of the embedding and the LM head (and q/v) beside one of the layers and the LM head and the base:
+    tokens equal to PEFT's (merged where the head is not tied: merged into a tied embedding, an update
+    of one would change the other too; unmerged, PEFT adapts each on its own side), on the fused decode stack (steps
+    with an embedding adapter run layer by layer) and eagerly."""
+    base = make_tiny_model(tmp_path / family, family)
+    heads, model_heads = make_adapter(
+        base, tmp_path / "heads", seed=5, target_modules=["q_proj", "v_proj", "embed_tokens", "lm_head"]
+    )
+    targets = [*TARGET_MODULES, "lm_head"]
+    layers, model_layers = make_adapter(base, tmp_path / "layers", seed=6, target_modules=targets)
+    prompts = random_prompts(6, 3, 40, seed=7)
+    tied = family == "qwen2"
+    adapted = [model_heads, model_layers] if tied else [model_heads.merge_and_unload(), model_layers.merge_and_unload()]
+    refs = [hf_model(base), *adapted]
+    loras = [None, LoRARequest("heads", 1, str(heads)), LoRARequest("layers", 2, str(layers))]
+    chosen = [i % 3 for i in range(len(prompts))]
+    expected = [hf_greedy(refs[c], p, MAX_NEW) for c, p in zip(chosen, prompts)]
+    assert expected[1] != hf_greedy(refs[0], prompts[1], MAX_NEW)  # the adapter changes the tokens
+    for eager in (False, True):
+        kwargs: dict[str, Any] = dict(dtype="float32", num_kv_blocks=128, enable_lora=True, enforce_eager=eager)
+        with LLM(str(base), **kwargs) as llm:
+            outputs = llm.generate(prompts, GREEDY, lora_request=[loras[c] for c in chosen], use_tqdm=False)
+            assert _tokens(outputs) == expected
+            # Without the embedding's adapter in a step, decode steps run the fused stack (not eager).
+            assert (llm.engine.runner.fused_decode is None) == eager
+            own = [i for i, c in enumerate(chosen) if c == 2]
+            outputs = llm.generate([prompts[i] for i in own], GREEDY, lora_request=loras[2], use_tqdm=False)
+            assert _tokens(outputs) == [expected[i] for i in own]
 
 
 @pytest.mark.timeout(180)  # a broken collective must fail the test, never hang CI

@@ -5,7 +5,11 @@ PEFT stores, for each adapted module of each layer, A [rank, in_features] and B 
 gains scaling * x @ A.T @ B.T, with scaling = lora_alpha / rank (lora_alpha / sqrt(rank) with
 use_rslora). Here each is kept per layer under the checkpoint's module name (q_proj, ..., down_proj), B
 already multiplied by the scaling; where the base fuses modules (qkv_proj, gate_up_proj) the update goes
-to that module's rows of the fused output."""
+to that module's rows of the fused output.
+
+An adapter may also adapt the embedding (`model.embed_tokens.lora_embedding_{A|B}`: A [rank, vocab],
+B [hidden, rank]; a token's embedding gains scaling * A[:, token] @ B.T) and the LM head
+(`lm_head.lora_{A|B}.weight`, a linear layer's A [rank, hidden] and B [vocab, rank])."""
 
 from __future__ import annotations
 
@@ -21,9 +25,16 @@ from safetensors.torch import load_file
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# The modules an adapter may target: each decoder layer's projections (the embedding and LM head: not yet).
+# The modules an adapter may target: each decoder layer's projections, and the embedding and LM head.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+HEAD_MODULES = ("embed_tokens", "lm_head")
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_HEAD_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.(embed_tokens)\.lora_embedding_([AB])|(lm_head)\.lora_([AB])\.weight)$"
+)
+# PEFT saves the base model's embedding and LM head beside adapters of them (in case the vocabulary was
+# resized): copies of the base's, read from the base model instead.
+_BASE_COPY = re.compile(r"^(?:base_model\.model\.)?(?:model\.embed_tokens|lm_head)(?:\.base_layer)?\.weight$")
 
 
 @dataclass(frozen=True)
@@ -41,10 +52,14 @@ class LoRAAdapter:
     scaling: float
     target_modules: frozenset[str]
     layers: list[dict[str, LoRAWeights]]  # per decoder layer: module name (q_proj, ...) -> weights
+    # The embedding's (a [rank, vocab], b [hidden, rank]) and the LM head's (a [rank, hidden], b [vocab,
+    # rank]) under "embed_tokens" and "lm_head", where the adapter adapts them.
+    heads: dict[str, LoRAWeights]
 
     @property
     def nbytes(self) -> int:
-        return sum(w.a.nbytes + w.b.nbytes for layer in self.layers for w in layer.values())
+        weights = [w for layer in self.layers for w in layer.values()] + list(self.heads.values())
+        return sum(w.a.nbytes + w.b.nbytes for w in weights)
 
 
 def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
@@ -102,8 +117,9 @@ def load_adapter(name: str, path: str | Path, hf_config: Any, max_rank: int, dty
         tensors = load_file(str(weights_path))
     except Exception as exc:  # safetensors raises its own error types for a damaged file
         raise ValueError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} cannot be read ({exc}).") from None
+    heads = _heads(name, tensors, hf_config, rank, scaling, dtype)
     layers = _layers(name, tensors, hf_config, rank, scaling, dtype)
-    return LoRAAdapter(name, rank, scaling, targets, layers)
+    return LoRAAdapter(name, rank, scaling, targets, layers, heads)
 
 
 def _check_options(name: str, config: dict[str, Any]) -> None:
@@ -122,15 +138,48 @@ def _check_options(name: str, config: dict[str, Any]) -> None:
 def _target_modules(name: str, config: dict[str, Any]) -> frozenset[str]:
     raw = config.get("target_modules") or []
     targets = frozenset([raw] if isinstance(raw, str) else raw)
-    unknown = sorted(targets - set(TARGET_MODULES))
+    unknown = sorted(targets - set(TARGET_MODULES) - set(HEAD_MODULES))
     if unknown:
         raise ValueError(
             f"LoRA adapter {name!r} targets {unknown}, which the model lacks or this engine does not adapt "
-            f"(it adapts {', '.join(TARGET_MODULES)})."
+            f"(it adapts {', '.join(TARGET_MODULES + HEAD_MODULES)})."
         )
     if not targets:
         raise ValueError(f"LoRA adapter {name!r} names no target_modules.")
     return targets
+
+
+def _heads(
+    name: str, tensors: dict[str, torch.Tensor], hf_config: Any, rank: int, scaling: float, dtype: torch.dtype
+) -> dict[str, LoRAWeights]:
+    """The embedding's and LM head's weights, taken out of `tensors` (the rest are the layers')."""
+    vocab, hidden = int(hf_config.vocab_size), int(hf_config.hidden_size)
+    shapes = {"embed_tokens": ((rank, vocab), (hidden, rank)), "lm_head": ((rank, hidden), (vocab, rank))}
+    for key in [k for k in tensors if _BASE_COPY.match(k)]:
+        if tuple(tensors.pop(key).shape) != (vocab, hidden):
+            raise ValueError(
+                f"LoRA adapter {name!r} was made for a model with another vocabulary: its {key} is not "
+                f"({vocab}, {hidden}); a resized vocabulary is not served."
+            )
+    pieces: dict[str, dict[str, torch.Tensor]] = {}
+    for key in [k for k in tensors if _HEAD_KEY.match(k)]:
+        match = _HEAD_KEY.match(key)
+        assert match is not None
+        module, which = (match.group(1), match.group(2)) if match.group(1) else (match.group(3), match.group(4))
+        pieces.setdefault(module, {})[which] = tensors.pop(key)
+    heads: dict[str, LoRAWeights] = {}
+    for module, ab in sorted(pieces.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {name!r}: {module} lacks its lora {'A' if 'B' in ab else 'B'}.")
+        a, b = ab["A"], ab["B"]
+        if (tuple(a.shape), tuple(b.shape)) != shapes[module]:
+            raise ValueError(
+                f"LoRA adapter {name!r} was made for another base model: its {module} has A {tuple(a.shape)} "
+                f"and B {tuple(b.shape)}, this model needs {shapes[module][0]} and {shapes[module][1]} "
+                f"(vocabulary {vocab}, hidden size {hidden})."
+            )
+        heads[module] = LoRAWeights(a.to(dtype).contiguous(), (b.float() * scaling).to(dtype).contiguous())
+    return heads
 
 
 def _layers(

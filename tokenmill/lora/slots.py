@@ -22,7 +22,7 @@ from tokenmill.config import LoRAConfig
 from tokenmill.distributed.parallel_state import tp_rank, tp_world_size
 from tokenmill.lora.adapter import LoRAAdapter, load_adapter
 from tokenmill.lora_request import LoRARequest
-from tokenmill.models.layers.lora import LoRAContext, LoRALinear, LoRARun
+from tokenmill.models.layers.lora import LoRAContext, LoRAHeads, LoRALinear, LoRARun
 
 # Each adapted layer's pieces, in its output's column order (the checkpoint's module names).
 PIECES = {
@@ -85,6 +85,13 @@ class LoRASlots:
             attn.qkv_lora, attn.o_lora = linears["qkv"], linears["o"]
             mlp.gate_up_lora, mlp.down_lora = linears["gate_up"], linears["down"]
             self.layers.append(linears)
+        # The embedding's and LM head's updates: the embedding's output gains them through a hook (every
+        # model calls its embed_tokens), the logits in the model's compute_logits (before a soft cap).
+        vocab = int(hf_config.vocab_size)
+        self.heads = LoRAHeads(self.context, n, r, vocab, hidden, dtype, device)
+        embed_tokens = cast(nn.Module, model.embed_tokens)
+        embed_tokens.register_forward_hook(lambda _, args, out: self.heads.add_to_embedding(args[0], out))
+        cast(Any, model).lora_heads = self.heads
         self.resident: list[LoRARequest | None] = [None] * n  # the adapter in each slot
         self.ranks = [0] * n
         self.last_used = [0] * n  # the step each slot last ran in (least recently used goes first)
@@ -93,7 +100,8 @@ class LoRASlots:
 
     @property
     def nbytes_per_slot(self) -> int:
-        return sum(w.a[0].nbytes + w.bt[0].nbytes for layer in self.layers for w in layer.values())
+        layers = sum(w.a[0].nbytes + w.bt[0].nbytes for layer in self.layers for w in layer.values())
+        return layers + self.heads.nbytes_per_slot
 
     def begin_step(self, loras: list[LoRARequest | None], num_rows: list[int]) -> bool:
         """Make the step's adapters resident and tell the adapted layers whose rows run which: request i
@@ -146,6 +154,8 @@ class LoRASlots:
                     b = w.b.narrow(0, start, size) if which == "b" else w.b
                     pieces.append((a, b))
                 linear.write(slot, adapter.rank, pieces)
+        heads = {name: (w.a, w.b) for name, w in adapter.heads.items()}
+        self.heads.write(slot, adapter.rank, heads.get("embed_tokens"), heads.get("lm_head"))
         self.resident[slot] = lora
         self.ranks[slot] = adapter.rank
 

@@ -22,7 +22,7 @@ from tokenmill.distributed.communication import all_reduce_
 from tokenmill.distributed.parallel_state import tp_world_size
 from tokenmill.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from tokenmill.models.layers.linear import MergedLinear, RowParallelLinear
-from tokenmill.models.layers.lora import LoRALinear
+from tokenmill.models.layers.lora import LoRAHeads, LoRALinear
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters
 from tokenmill.models.llama import Attention, head_dim_of, load_tensor
 
@@ -136,6 +136,7 @@ class GemmaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
         self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(self.hidden_size, self.vocab_size)
         self.final_logit_softcap: float | None = getattr(hf_config, "final_logit_softcapping", None)
+        self.lora_heads: LoRAHeads | None = None  # LoRA adapters' LM head updates (set by tokenmill.lora)
         head_dim = head_dim_of(hf_config)
         # One rotary table per distinct rope setting (Gemma 3: local and global bases).
         self.rotary = nn.ModuleDict(
@@ -164,6 +165,8 @@ class GemmaForCausalLM(nn.Module):
         else:
             logits = F.linear(hidden, self.embed_tokens.weight).float()
         logits = gather_logits(logits, self.vocab_size)
+        if self.lora_heads is not None:  # before the cap, as in PEFT: the adapter is on lm_head
+            self.lora_heads.add_to_logits(hidden, logits)
         if self.final_logit_softcap is not None:
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return logits

@@ -25,7 +25,7 @@ from tokenmill.models.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
-from tokenmill.models.layers.lora import LoRALinear
+from tokenmill.models.layers.lora import LoRAHeads, LoRALinear
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
@@ -203,6 +203,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(hf_config.hidden_size, self.vocab_size)
         self.rotary = RotaryEmbedding(head_dim_of(hf_config), max_position, rope_parameters(hf_config))
+        self.lora_heads: LoRAHeads | None = None  # LoRA adapters' LM head updates (set by tokenmill.lora)
 
     def forward(
         self,
@@ -224,7 +225,10 @@ class LlamaForCausalLM(nn.Module):
             logits = self.lm_head(hidden).float()  # [n, vocab / N]
         else:
             logits = F.linear(hidden, self.embed_tokens.weight).float()
-        return gather_logits(logits, self.vocab_size)
+        logits = gather_logits(logits, self.vocab_size)
+        if self.lora_heads is not None:
+            self.lora_heads.add_to_logits(hidden, logits)
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) into our parameters; returns the names loaded."""

@@ -322,13 +322,24 @@ class ModelRunner:
         pooling = bool(self.pooling_ids) and not self.pooling_ids.isdisjoint(sched.num_scheduled_tokens)
         batch = build_step_batch(states, num_scheduled, self.block_size, self.device, drafts, pooling)
         if self.loras is None:
-            hidden = self._forward(batch)  # [num_tokens, hidden]
-        else:
-            adapted = self.loras.begin_step([s.lora_request for s in states], num_scheduled)
-            try:
-                hidden = self._forward(batch, adapted)
-            finally:
-                self.loras.end_step()
+            return self._run(batch, states, num_scheduled, spec, pooling)
+        adapted = self.loras.begin_step([s.lora_request for s in states], num_scheduled)
+        try:  # the LM head's updates need the step's adapters too: they end after sampling
+            return self._run(batch, states, num_scheduled, spec, pooling, adapted)
+        finally:
+            self.loras.end_step()
+
+    def _run(
+        self,
+        batch: StepBatch,
+        states: list[RunnerRequestState],
+        num_scheduled: list[int],
+        spec: dict[str, list[int]],
+        pooling: bool,
+        adapted: bool = False,
+    ) -> ModelRunnerOutput:
+        """The step's forward, then what it yields: pooled rows, prompt logprobs, sampled tokens, drafts."""
+        hidden = self._forward(batch, adapted)  # [num_tokens, hidden]
         output = ModelRunnerOutput(sampled_token_ids={})
         if pooling:
             qsl = batch.attn_metadata.query_start_loc_cpu
@@ -350,11 +361,13 @@ class ModelRunner:
         """A decode step that fits a captured graph replays it (its output is a view, valid until the
         graph's next replay); on CPU a step whose requests have at most FusedDecode.MAX_QUERY_LEN query
         tokens each (decode rows, verification of drafts) runs the fused C++ stack; every other step
-        runs eagerly. `adapted`: some rows run LoRA adapters (never in a graph: it holds no updates)."""
+        runs eagerly. `adapted`: some rows run LoRA adapters (never in a graph: it holds no updates; not
+        in the C++ stack where one adapts the embedding: the stack looks tokens up itself)."""
         if not adapted and self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             return self.cuda_graphs.run(batch)
         meta = batch.attn_metadata
-        if self.fused_decode is not None and meta.max_query_len <= FusedDecode.MAX_QUERY_LEN:
+        embedding_adapted = adapted and self.loras is not None and self.loras.heads.adapts_embedding()
+        if self.fused_decode is not None and meta.max_query_len <= FusedDecode.MAX_QUERY_LEN and not embedding_adapted:
             lora_runs = self.loras.context.runs_tensor if adapted and self.loras is not None else None
             return self.fused_decode(batch.input_ids, batch.positions, meta, lora_runs)
         return self.model(batch.input_ids, batch.positions, batch.attn_metadata)
@@ -364,8 +377,9 @@ class ModelRunner:
         states: the LM head, a grammar's mask and sampling all run here, for every kind of step. A step
         that verifies drafts samples a row per verified position (worker/spec_verify.py)."""
         # Every row samples (a decode step): the rows are the logits' rows already, in order.
-        rows = hidden if hidden.shape[0] == batch.logits_indices.numel() else hidden[batch.logits_indices]
-        logits = self.model.compute_logits(rows)  # [num_sample_rows, vocab]
+        every_row = hidden.shape[0] == batch.logits_indices.numel()
+        rows = hidden if every_row else hidden[batch.logits_indices]
+        logits = self._logits(rows, None if every_row else batch.logits_indices)  # [num_sample_rows, vocab]
         states = [self.states[r] for r in batch.sample_req_ids]
         drafts = batch.draft_token_ids
         if drafts is None:
@@ -505,12 +519,20 @@ class ModelRunner:
         self._meta, self._meta_states = meta, states
         return meta
 
+    def _logits(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The model's logits of `hidden`, the step's rows `rows` (None: all of them, in order): their
+        adapters' LM head updates included."""
+        if self.loras is not None:
+            self.loras.context.select_logit_rows(rows)
+        return self.model.compute_logits(hidden)
+
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch) -> dict[str, list[TokenLogprobs | None]]:
         out: dict[str, list[TokenLogprobs | None]] = {}
         for req_id, (row, num_rows, first_target) in batch.prompt_logprob_rows.items():
             state = self.states[req_id]
             k = state.sampling_params.prompt_logprobs or 0
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[row : row + num_rows]), dim=-1)
+            index = torch.arange(row, row + num_rows)
+            logprobs = torch.log_softmax(self._logits(hidden[row : row + num_rows], index), dim=-1)
             targets = torch.tensor(
                 state.token_ids[first_target : first_target + num_rows], dtype=torch.int64, device=self.device
             )

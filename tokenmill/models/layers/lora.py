@@ -47,6 +47,13 @@ class LoRAContext:
         # Per row, as the packed GEMM's LoRA epilogue takes them: [num_rows] int32 slot (-1: none) and rank.
         self.row_slot = torch.empty(0, dtype=torch.int32)
         self.row_rank = torch.empty(0, dtype=torch.int32)
+        # The slot of each row of the hidden states the LM head is computing logits for (select_logit_rows).
+        self.logit_slot = torch.empty(0, dtype=torch.int32)
+
+    def select_logit_rows(self, index: torch.Tensor | None) -> None:
+        """The next logits are of the step's rows `index` ([n] int64; None: every row, in order)."""
+        if self.runs:
+            self.logit_slot = self.row_slot if index is None else self.row_slot[index.cpu()]
 
     def set_runs(self, runs: list[LoRARun], num_rows: int = 0) -> None:
         self.runs = runs
@@ -54,6 +61,7 @@ class LoRAContext:
         self.runs_tensor = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
         self.row_slot = torch.full((num_rows,), -1, dtype=torch.int32)
         self.row_rank = torch.zeros(num_rows, dtype=torch.int32)
+        self.logit_slot = self.row_slot
         for r in runs:
             self.row_slot[r.start : r.end] = r.slot
             self.row_rank[r.start : r.end] = r.rank
@@ -146,3 +154,101 @@ class LoRALinear:
                 j = slice(i * run.rank, (i + 1) * run.rank)
                 out[rows, col : col + size].addmm_(t[:, j], self.bt[run.slot, j, col : col + size])
                 col += size
+
+
+class LoRAHeads:
+    """The adapters' updates to the embedding (token i's row gains A[:, i] @ B^T) and to the LM head's
+    logits ((h A^T) B^T), stacked by slot. Vocabulary-sized, so allocated only once an adapter that has
+    them is written. Under tensor parallelism every rank holds them whole: the embedding's output (after
+    its all-reduce) and the gathered logits are the same on every rank, and so are the updates."""
+
+    def __init__(
+        self,
+        context: LoRAContext,
+        num_slots: int,
+        max_rank: int,
+        vocab_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.context = context
+        self.shape = (num_slots, max_rank, vocab_size, hidden_size)
+        self.dtype, self.device = dtype, device
+        self.ranks = [0] * num_slots
+        self.embedding: tuple[torch.Tensor, torch.Tensor] | None = None  # A^T [slots, vocab, R], B^T [slots, R, hidden]
+        self.head: tuple[torch.Tensor, torch.Tensor] | None = None  # A [slots, R, hidden], B^T [slots, R, vocab]
+        self.has_embedding = [False] * num_slots
+        self.has_head = [False] * num_slots
+
+    @property
+    def nbytes_per_slot(self) -> int:
+        return sum(t[0].nbytes for pair in (self.embedding, self.head) if pair is not None for t in pair)
+
+    def write(
+        self,
+        slot: int,
+        rank: int,
+        embedding: tuple[torch.Tensor, torch.Tensor] | None,
+        head: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        """One adapter's embedding (A [rank, vocab], B [hidden, rank]) and LM head (A [rank, hidden],
+        B [vocab, rank]) in `slot` (None: not adapted)."""
+        slots, max_rank, vocab, hidden = self.shape
+        self.ranks[slot] = rank
+        self.has_embedding[slot], self.has_head[slot] = embedding is not None, head is not None
+        if embedding is not None and self.embedding is None:
+            self.embedding = (self._zeros(slots, vocab, max_rank), self._zeros(slots, max_rank, hidden))
+        if head is not None and self.head is None:
+            self.head = (self._zeros(slots, max_rank, hidden), self._zeros(slots, max_rank, vocab))
+        for held, given, a_transposed in ((self.embedding, embedding, True), (self.head, head, False)):
+            if held is None:
+                continue
+            held[0][slot].zero_()
+            held[1][slot].zero_()
+            if given is None:
+                continue
+            a, b = given
+            if a_transposed:  # the embedding's A^T: a token's rank values are one row
+                held[0][slot, :, :rank].copy_(a.t())
+            else:
+                held[0][slot, :rank].copy_(a)
+            held[1][slot, :rank].copy_(b.t())
+
+    def _zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=self.dtype, device=self.device)
+
+    def adapts_embedding(self) -> bool:
+        """Some row of the step runs an adapter of the embedding."""
+        return self.embedding is not None and any(self.has_embedding[run.slot] for run in self.context.runs)
+
+    def add_to_embedding(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        out: torch.Tensor,  # [num_tokens, hidden], the embedding's output, updated in place
+    ) -> None:
+        if self.embedding is None:
+            return
+        at, bt = self.embedding
+        for run in self.context.runs:
+            if self.has_embedding[run.slot]:
+                t = at[run.slot].index_select(0, input_ids[run.start : run.end])[:, : run.rank]  # [n, rank]
+                update = t @ bt[run.slot, : run.rank]  # [n, hidden]
+                out[run.start : run.end] += update.to(out.dtype)
+
+    def add_to_logits(
+        self,
+        hidden: torch.Tensor,  # [n, hidden], the rows context.select_logit_rows named
+        logits: torch.Tensor,  # [n, vocab] float32, gathered whole, updated in place
+    ) -> None:
+        if self.head is None or not self.context.runs:
+            return
+        a, bt = self.head
+        slots = self.context.logit_slot
+        for slot in {int(s) for s in slots.unique()}:
+            if slot < 0 or not self.has_head[slot]:
+                continue
+            rows = (slots == slot).nonzero().squeeze(1).to(logits.device)  # [m]
+            rank = self.ranks[slot]
+            t = hidden.index_select(0, rows).to(self.dtype) @ a[slot, :rank].t()  # [m, rank]
+            logits.index_add_(0, rows, (t @ bt[slot, :rank]).float())
