@@ -105,3 +105,26 @@ def test_with_an_admin_key_only_it_loads_adapters(chat_model: Path, adapters: di
         headers = {"Authorization": "Bearer admin-secret"}
         assert client.post("/v1/load_lora_adapter", json=body, headers=headers).status_code == 200
         assert _complete(client, "one").json()["choices"][0]["text"] == _text(server, adapters["greedy"]["one"])
+
+
+def test_adapters_from_the_model_registry(
+    chat_model: Path, adapters: dict[str, Any], tmp_path: Path, monkeypatch: Any
+) -> None:
+    """`--lora-modules NAME=ID` and a runtime load's `lora_path` name an adapter version in the registry
+    (an alias, a bare name: its highest version); an id the registry lacks, or a model's, is a 400."""
+    from tokenmill.registry import Registry
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))  # the default registry lives there
+    registry = Registry()
+    registry.add("sql", adapters["one"], alias="sql-stable")  # sql@1
+    registry.add("sql", adapters["two"])  # sql@2
+    registry.add("base", chat_model)
+    config = ServerConfig(lora_modules=("stable=sql-stable",))
+    with run_server(chat_model, config, enable_lora=True, max_lora_rank=8) as server, server.client() as client:
+        assert _complete(client, "stable").json()["choices"][0]["text"] == _text(server, adapters["greedy"]["one"])
+        loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "latest", "lora_path": "sql"})
+        assert loaded.status_code == 200, loaded.text
+        assert _complete(client, "latest").json()["choices"][0]["text"] == _text(server, adapters["greedy"]["two"])
+        for path, message in (("nothing", "neither a LoRA adapter folder nor"), ("base", "a model, not a LoRA")):
+            bad = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path})
+            assert bad.status_code == 400 and message in bad.json()["error"]["message"]

@@ -22,7 +22,14 @@ import pytest
 
 from tests.tiny_models import hf_model, make_tiny_model
 from tokenmill.cli import main
-from tokenmill.registry import Registry, RegistryBusyError, RegistryCorruptError, RegistryError, UnknownModelError
+from tokenmill.registry import (
+    Manifest,
+    Registry,
+    RegistryBusyError,
+    RegistryCorruptError,
+    RegistryError,
+    UnknownModelError,
+)
 from tokenmill.registry import files as registry_files
 from tokenmill.registry.store import default_registry_dir
 
@@ -499,3 +506,32 @@ def test_cli_corrupt_version_fails_verify(
         _cli(registry, "verify", "m")
     assert exit_info.value.code == 1
     assert "generation_config.json is missing" in capsys.readouterr().err
+
+
+def test_a_lora_adapter_is_a_version_of_its_own(llama_folder: Path, tmp_path: Path) -> None:
+    """An adapter folder is stored and verified like a model, recorded as format "lora" with its rank and
+    base; the server's catalog never offers it as a model to load (it is served on its base)."""
+    from tests.e2e.test_lora_adapter import make_adapter
+    from tokenmill.server.pool.catalog import Catalog
+
+    folder, peft_model = make_adapter(llama_folder, tmp_path / "sql", r=8)
+    registry = Registry(tmp_path / "reg")
+    registry.add("base", llama_folder)
+    version = registry.add("sql", folder, alias="sql-stable")
+    m = version.manifest
+    assert (m.format, m.architecture, m.base_model) == ("lora", "LoRA r=8", str(llama_folder))
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {f.path for f in m.files}
+    assert m.parameters == sum(p.numel() for name, p in peft_model.named_parameters() if "lora_" in name)
+    assert registry.verify("sql-stable").model_path == version.files_dir
+    packed = version.files_dir / ".tokenmill-packed"  # the loader's packed-weights cache is not the version's
+    packed.mkdir()
+    (packed / "0123.safetensors").write_bytes(b"packed")
+    registry.verify("sql@1")
+    (version.files_dir / "stray.safetensors").write_bytes(b"x")
+    with pytest.raises(RegistryCorruptError, match="stray.safetensors is in its files but not in its manifest"):
+        registry.verify("sql@1")
+    assert Manifest.read(version.folder) == m
+    catalog = Catalog(registry)
+    assert [model_id for model_id, _ in catalog.served_ids()] == ["base@1", "base"]
+    with pytest.raises(UnknownModelError, match="sql@1 is a LoRA adapter .* --lora-modules NAME=sql@1"):
+        catalog.resolve("sql-stable")

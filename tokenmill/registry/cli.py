@@ -82,7 +82,8 @@ def _add(registry: Registry, args: argparse.Namespace) -> None:
     version = registry.add(args.name, args.path, version=args.version, alias=args.alias, copy=args.copy)
     m = version.manifest
     alias = f", alias {args.alias}" if args.alias else ""
-    print(f"added {version.id}{alias}: {m.architecture}, {_count(m.parameters)} parameters, {_bytes(m.size)}")
+    base = f" (of {m.base_model})" if m.base_model else ""
+    print(f"added {version.id}{alias}: {m.architecture}{base}, {_count(m.parameters)} parameters, {_bytes(m.size)}")
 
 
 def _list(registry: Registry, args: argparse.Namespace) -> None:

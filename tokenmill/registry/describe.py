@@ -1,5 +1,6 @@
 """Read what a checkpoint is (architecture, parameter count, dtype, quantization, context length) from its
-config.json and the weight files' headers, without loading a tensor."""
+config.json and the weight files' headers, without loading a tensor. A PEFT LoRA adapter's folder
+(adapter_config.json) is described too: a version of its own, served on its base model."""
 
 from __future__ import annotations
 
@@ -37,12 +38,45 @@ _MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
 
 
 def describe(path: Path) -> ModelInfo:
-    """Describe an HF folder (config.json + *.safetensors) or a single .gguf file."""
+    """Describe an HF folder (config.json + *.safetensors), a LoRA adapter's folder or a single .gguf file."""
     if path.is_file() and path.suffix == ".gguf":
         return describe_gguf(path)
+    if path.is_dir() and (path / "adapter_config.json").is_file():
+        return describe_lora_folder(path)
     if path.is_dir():
         return describe_hf_folder(path)
-    raise RegistryError(f"{path} is neither a model folder (config.json + *.safetensors) nor a .gguf file")
+    raise RegistryError(
+        f"{path} is neither a model folder (config.json + *.safetensors), a LoRA adapter's folder "
+        "(adapter_config.json + adapter_model.safetensors) nor a .gguf file"
+    )
+
+
+def describe_lora_folder(folder: Path) -> ModelInfo:
+    """A PEFT LoRA adapter: its rank, its base model's name and its weights' size (checked against a base
+    only where it is served)."""
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text())
+    except ValueError as exc:
+        raise RegistryError(f"{folder}/adapter_config.json is not JSON ({exc})") from exc
+    if not isinstance(config, dict) or str(config.get("peft_type", "")).upper() != "LORA":
+        raise RegistryError(f"{folder}/adapter_config.json does not describe a LoRA adapter")
+    weights = folder / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise RegistryError(f"{folder} has no adapter_model.safetensors: save the adapter with safe_serialization")
+    numel_by_dtype: Counter[str] = Counter()
+    for dtype, numel in _safetensors_numels(weights):
+        numel_by_dtype[dtype] += numel
+    top = numel_by_dtype.most_common(1)
+    base = config.get("base_model_name_or_path")
+    return ModelInfo(
+        format="lora",
+        architecture=f"LoRA r={config.get('r')}",
+        parameters=sum(numel_by_dtype.values()),
+        dtype=_SAFETENSORS_DTYPES.get(top[0][0], "unknown") if top else "unknown",
+        quantization=None,
+        context_length=None,
+        base_model=str(base) if base else None,
+    )
 
 
 def describe_hf_folder(folder: Path) -> ModelInfo:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 MANIFEST_FILE = "manifest.json"
 
-ModelFormat = Literal["hf", "gguf"]
+ModelFormat = Literal["hf", "gguf", "lora"]  # "lora": a PEFT LoRA adapter's folder
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class ModelInfo:
     dtype: str  # torch dtype name for HF folders ("bfloat16"); the GGUF file type ("Q4_1")
     quantization: str | None  # quantization_config's quant_method, or a quantized GGUF's type
     context_length: int | None
+    base_model: str | None = None  # a LoRA adapter's base (its adapter_config's base_model_name_or_path)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Manifest:
     files: tuple[FileEntry, ...]
     created: str  # ISO 8601, UTC
     source: str  # the path it was added from
+    base_model: str | None = None  # a LoRA adapter's base model (None: not an adapter, or not named)
 
     @property
     def id(self) -> str:

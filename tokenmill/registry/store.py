@@ -75,7 +75,7 @@ class Version:
 
     @property
     def model_path(self) -> Path:
-        """What to load: the HF folder, or the .gguf file."""
+        """What to load: the HF folder (or a LoRA adapter's), or the .gguf file."""
         if self.manifest.format == "gguf":
             return self.files_dir / self.manifest.files[0].path
         return self.files_dir
@@ -166,13 +166,19 @@ class Registry:
     def verify(self, version: Version | str) -> Version:
         """Check the version's files against its manifest: each listed file present, of its size and sha256,
         and no other file in its folder (the loader reads every *.safetensors there, listed or not).
-        RegistryCorruptError names the first bad file. A file whose inode, mtime and size are unchanged since
-        this Registry last hashed it is not read again."""
+        RegistryCorruptError names the first bad file (files in hidden folders are not checked). A file
+        whose inode, mtime and size are unchanged since this Registry last hashed it is not read again."""
         if isinstance(version, str):
             version = self.resolve(version)
         fix = f"remove it (tokenmill models rm {version.id} --force) and add it again"
         listed = {entry.path for entry in version.manifest.files}
-        found = sorted(p.relative_to(version.files_dir).as_posix() for p in version.files_dir.rglob("*"))
+        # Hidden folders are not the version's: the loader's packed-weights cache (.tokenmill-packed/) lives
+        # there, and it reads weights only from the top level.
+        found = sorted(
+            p.relative_to(version.files_dir).as_posix()
+            for p in version.files_dir.rglob("*")
+            if not any(part.startswith(".") for part in p.relative_to(version.files_dir).parts[:-1])
+        )
         unlisted = [path for path in found if path not in listed and not (version.files_dir / path).is_dir()]
         if unlisted:
             raise RegistryCorruptError(
@@ -200,7 +206,8 @@ class Registry:
     def add(
         self, name: str, path: str | Path, version: str | None = None, alias: str | None = None, copy: bool = False
     ) -> Version:
-        """Store the HF folder or .gguf file at `path` as `name@version` (the next integer if left out).
+        """Store the HF folder, LoRA adapter folder or .gguf file at `path` as `name@version` (the next
+        integer if left out).
 
         Files are hard-linked when the registry is on the same filesystem, else copied (`copy=True`: always
         copied). The version is built in a temporary folder and renamed into place, so it appears whole or
@@ -236,6 +243,7 @@ class Registry:
                     files=files,
                     created=created,
                     source=str(source.resolve()),
+                    base_model=info.base_model,
                 )
                 manifest.write(tmp)
                 target = self.root / "models" / name / version

@@ -231,7 +231,8 @@ class ServerConfig:
         group="lora",
         metavar="NAME=PATH",
         help="LoRA adapters to serve from the start, each as the model id NAME (repeat, or comma-separate; "
-        "needs --enable-lora); more load at runtime through POST /v1/load_lora_adapter",
+        "needs --enable-lora); PATH: the adapter's folder, or its id in the model registry (--registry, "
+        "else the default one); more load at runtime through POST /v1/load_lora_adapter",
     )
     api_keys: tuple[str, ...] = setting(
         (),
@@ -592,7 +593,7 @@ class ServerState:
             LoginThrottle(config.max_failed_logins),
         )
         if engine.config.lora is not None:
-            state.loras = LoRAModules(engine, name)
+            state.loras = LoRAModules(engine, name, config.models.registry)
             for entry in config.lora_modules:
                 state.loras.load(*parse_lora_module(entry))
         elif config.lora_modules:

@@ -31,6 +31,11 @@ class ModelEntry:
 
 def _from_version(version: Version) -> ModelEntry:
     m = version.manifest
+    if m.format == "lora":  # served on a base model, not loaded as one
+        raise UnknownModelError(
+            f"{m.id} is a LoRA adapter (of {m.base_model or 'an unnamed base'}), not a model: serve it on its "
+            f"base with --enable-lora --lora-modules NAME={m.id}"
+        )
     return ModelEntry(m.id, m.name, m.version, version.model_path, m.parameters, m.dtype, m.size, version)
 
 
@@ -69,7 +74,7 @@ class Catalog:
         name, each alias, and each extra model."""
         found: dict[str, ModelEntry] = dict(self._extra)
         if self.registry is not None:
-            versions = self.registry.list()
+            versions = [v for v in self.registry.list() if v.manifest.format != "lora"]
             for version in versions:
                 found.setdefault(version.id, _from_version(version))
             for model_id in [v.name for v in versions] + sorted(self.aliases()):
@@ -77,7 +82,7 @@ class Catalog:
                     try:
                         found[model_id] = self.resolve(model_id)
                     except UnknownModelError:
-                        pass  # a dangling alias: nothing to serve under it
+                        pass  # a dangling alias, or an adapter's: nothing to serve under it
         return list(found.items())
 
     def verify(self, entry: ModelEntry) -> None:
