@@ -186,24 +186,58 @@ class LoRAConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism: each layer's weights split across `tensor_parallel_size` ranks, one process (or
-    Ray actor) per rank, started by `distributed_executor_backend` ("mp": local processes, "ray")."""
+    """Tensor parallelism: each layer's weights split across `tensor_parallel_size` ranks; pipeline
+    parallelism: the decoder layers split into `pipeline_parallel_size` stages (evenly, or
+    `pp_layer_partition` layers each), each stage's layers split over its own tensor-parallel ranks. One
+    process (or Ray actor) per rank, started by `distributed_executor_backend` ("mp": local processes,
+    "ray")."""
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: tuple[int, ...] | None = None  # layers per stage, in order (None: as even as can be)
 
     def __post_init__(self) -> None:
-        n = self.tensor_parallel_size
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}.")
+        for what, n in (("tensor", self.tensor_parallel_size), ("pipeline", self.pipeline_parallel_size)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"{what}_parallel_size must be an integer >= 1, got {n!r}.")
+        partition = self.pp_layer_partition
+        if partition is not None and (len(partition) != self.pipeline_parallel_size or min(partition) < 1):
+            raise ValueError(
+                f"pp_layer_partition {list(partition)} must give each of the {self.pipeline_parallel_size} "
+                "pipeline stages at least one layer."
+            )
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(
                 f"unknown distributed_executor_backend {self.distributed_executor_backend!r}; "
                 f"use one of {DISTRIBUTED_EXECUTOR_BACKENDS}."
             )
 
+    @property
+    def world_size(self) -> int:
+        """Every rank: tensor_parallel_size per stage, pipeline_parallel_size stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def stage_layers(self, num_layers: int) -> list[tuple[int, int]]:
+        """Each pipeline stage's decoder layers [start, end): pp_layer_partition, else as even as can be
+        (the first stages take one more: the last one also runs the final norm, the LM head and sampling)."""
+        pp = self.pipeline_parallel_size
+        if self.pp_layer_partition is not None:
+            sizes = list(self.pp_layer_partition)
+            if sum(sizes) != num_layers:
+                raise ValueError(f"pp_layer_partition {sizes} sums to {sum(sizes)} layers; the model has {num_layers}.")
+        else:
+            if pp > num_layers:
+                raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {num_layers} layers.")
+            sizes = [num_layers // pp + (i < num_layers % pp) for i in range(pp)]
+        starts = [sum(sizes[:i]) for i in range(pp)]
+        return [(start, start + size) for start, size in zip(starts, sizes)]
+
     def check_model(self, hf_config: HFConfig | PretrainedConfig) -> None:
-        """Raise a ValueError unless the model's heads split evenly over the ranks."""
+        """Raise a ValueError unless the model's heads split evenly over the ranks and its layers over
+        the stages."""
+        if self.pipeline_parallel_size > 1:
+            self.stage_layers(int(hf_config.num_hidden_layers))
         n = self.tensor_parallel_size
         num_heads = int(hf_config.num_attention_heads)
         num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
@@ -352,7 +386,21 @@ class EngineArgs:
         "mp",
         group="parallel",
         choices=DISTRIBUTED_EXECUTOR_BACKENDS,
-        help="what starts the tensor-parallel ranks: mp (local processes) or ray (a placement group)",
+        help="what starts the tensor- and pipeline-parallel ranks: mp (local processes) or ray (a placement "
+        "group; may span nodes)",
+    )
+    pipeline_parallel_size: int = setting(
+        1,
+        group="parallel",
+        aliases=("-pp",),
+        help="split the decoder layers into N stages, one process each per tensor-parallel rank (activations "
+        "pass stage to stage; the last stage samples)",
+    )
+    pp_layer_partition: str | None = setting(
+        None,
+        group="parallel",
+        metavar="N,N,...",
+        help="decoder layers per pipeline stage, in order (default: as even as can be)",
     )
     enable_lora: bool = setting(False, group="lora", help="serve LoRA adapters (requests name one; see --lora-modules)")
     max_loras: int = setting(4, group="lora", help="adapters resident at once: the most distinct ones in one step")

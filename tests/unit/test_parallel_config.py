@@ -75,3 +75,16 @@ def test_the_flags_reach_the_engine_args() -> None:
     assert (kwargs["tensor_parallel_size"], kwargs["distributed_executor_backend"]) == (3, "ray")
     with pytest.raises(SystemExit):  # argparse: not a choice
         parser.parse_args(["--distributed-executor-backend", "slurm"])
+
+
+def test_pipeline_stages_split_the_layers() -> None:
+    assert ParallelConfig(pipeline_parallel_size=2).stage_layers(24) == [(0, 12), (12, 24)]
+    assert ParallelConfig(pipeline_parallel_size=3).stage_layers(5) == [(0, 2), (2, 4), (4, 5)]  # first ones +1
+    assert ParallelConfig(pipeline_parallel_size=2, pp_layer_partition=(3, 1)).stage_layers(4) == [(0, 3), (3, 4)]
+    assert ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=3).world_size == 6
+    with pytest.raises(ValueError, match="sums to 5 layers; the model has 4"):
+        ParallelConfig(pipeline_parallel_size=2, pp_layer_partition=(3, 2)).stage_layers(4)
+    with pytest.raises(ValueError, match="at least one layer"):
+        ParallelConfig(pipeline_parallel_size=2, pp_layer_partition=(4, 0))
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1"):
+        ParallelConfig(pipeline_parallel_size=0)

@@ -1,4 +1,5 @@
-"""The collectives the sharded layers call; no-ops at world size 1.
+"""The collectives the sharded layers call (no-ops at world size 1), and what pipeline stages pass each
+other: activations to the next stage, and the last stage's step output to every rank.
 
 Each call is counted and timed (`COLLECTIVE_STATS`) so benchmarks can say what the all-reduces cost
 per step; the clock is read only when there is a collective to run."""
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tokenmill.distributed.parallel_state import get_tp_group
+from tokenmill.distributed.parallel_state import get_pp_stage, get_tp_group
 
 
 @dataclass
@@ -60,3 +61,42 @@ def _count(start: float, x: torch.Tensor) -> None:
     COLLECTIVE_STATS.calls += 1
     COLLECTIVE_STATS.seconds += time.perf_counter() - start
     COLLECTIVE_STATS.bytes += x.numel() * x.element_size()
+
+
+def send_to_next_stage(tensors: list[torch.Tensor]) -> None:
+    """Pass this stage's activations to the same tensor-parallel rank of the next stage."""
+    pp = get_pp_stage()
+    for x in tensors:
+        start = time.perf_counter()
+        x = x.contiguous()
+        dist.send(x, pp.rank + pp.tp_size)
+        _count(start, x)
+
+
+def recv_from_prev_stage(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """The previous stage's activations, as send_to_next_stage sent them (shapes and dtype known)."""
+    pp = get_pp_stage()
+    out = []
+    for shape in shapes:
+        x = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(x, pp.rank - pp.tp_size)
+        out.append(x)
+    return out
+
+
+def broadcast_from_last_stage(data: bytes | None) -> bytes:
+    """The last stage's `data` (its step's encoded output) on every rank of every stage: a length, then
+    the bytes (gloo carries CPU tensors; over NCCL both travel on the rank's GPU)."""
+    pp = get_pp_stage()
+    src = pp.last_stage_rank
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(size, src)
+    buffer = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        if data is not None and pp.rank == src
+        else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    )
+    if buffer.numel():
+        dist.broadcast(buffer, src)
+    return data if pp.rank == src and data is not None else bytes(buffer.cpu().numpy().tobytes())

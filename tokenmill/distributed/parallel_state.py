@@ -1,8 +1,11 @@
-"""This process's place in the tensor-parallel group.
+"""This process's place in the tensor-parallel group and the pipeline.
 
-One process per rank. Until `init_tensor_parallel` runs (and at tensor_parallel_size 1 it never does),
-the group is rank 0 of 1: the sharded layers then hold whole weights and every collective is a no-op,
-so TP=1 runs the same code as before tensor parallelism existed."""
+One process per rank. Until `init_tensor_parallel` runs (and at a world size of 1 it never does), the
+group is rank 0 of 1 and the pipeline one stage: the sharded layers then hold whole weights, every
+collective is a no-op, and TP=1 runs the same code as before tensor parallelism existed.
+
+With pipeline stages, global rank g is stage g // TP's tensor-parallel rank g % TP: each stage's ranks
+form their own tensor-parallel group, and rank r of a stage passes activations to rank r of the next."""
 
 from __future__ import annotations
 
@@ -25,6 +28,39 @@ class TensorParallelGroup:
 
 
 _GROUP = TensorParallelGroup(0, 1, None)
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    stage: int
+    num_stages: int
+    rank: int  # this process's global rank
+    tp_size: int  # ranks per stage: the next stage's rank r is rank + tp_size
+    layers: tuple[int, int] | None  # this stage's decoder layers [start, end); None: every layer
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @property
+    def last_stage_rank(self) -> int:
+        """The global rank whose outputs every rank takes (the last stage's tensor-parallel rank 0)."""
+        return (self.num_stages - 1) * self.tp_size
+
+
+_STAGE = PipelineStage(0, 1, 0, 1, None)
+
+
+def get_pp_stage() -> PipelineStage:
+    return _STAGE
+
+
+def pp_world_size() -> int:
+    return _STAGE.num_stages
 
 
 def get_tp_group() -> TensorParallelGroup:
@@ -56,12 +92,23 @@ def check_no_group() -> None:
 
 
 def init_tensor_parallel(
-    rank: int, world_size: int, init_method: str, device: str, timeout_s: float = DEFAULT_TIMEOUT_S
+    rank: int,
+    world_size: int,
+    init_method: str,
+    device: str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    stage_layers: list[tuple[int, int]] | None = None,
 ) -> None:
-    """Join the group (every rank calls this with the same `init_method`, e.g. tcp://127.0.0.1:PORT)."""
-    global _GROUP
+    """Join the group (every rank calls this with the same `init_method`, e.g. tcp://127.0.0.1:PORT).
+    `stage_layers`: each pipeline stage's decoder layers (None: one stage); `world_size` counts the
+    ranks of every stage."""
+    global _GROUP, _STAGE
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a group of {world_size}")
+    num_stages = len(stage_layers) if stage_layers else 1
+    if world_size % num_stages:
+        raise ValueError(f"{world_size} ranks do not split into {num_stages} pipeline stages")
+    tp_size = world_size // num_stages
     if world_size == 1:
         _GROUP = TensorParallelGroup(0, 1, None)
         return
@@ -75,12 +122,19 @@ def init_tensor_parallel(
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    _GROUP = TensorParallelGroup(rank, world_size, dist.group.WORLD)
+    stage = rank // tp_size
+    if num_stages == 1:
+        _GROUP = TensorParallelGroup(rank, world_size, dist.group.WORLD)
+        return
+    groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(num_stages)]  # all ranks
+    _GROUP = TensorParallelGroup(rank % tp_size, tp_size, groups[stage] if tp_size > 1 else None)
+    _STAGE = PipelineStage(stage, num_stages, rank, tp_size, stage_layers[stage] if stage_layers else None)
 
 
 def destroy_tensor_parallel() -> None:
-    """Leave the group (safe to call twice, or when it was never joined)."""
-    global _GROUP
-    if _GROUP.group is not None and dist.is_initialized():
+    """Leave the group and the pipeline (safe to call twice, or when it was never joined)."""
+    global _GROUP, _STAGE
+    if (_GROUP.group is not None or _STAGE.num_stages > 1) and dist.is_initialized():
         dist.destroy_process_group()
     _GROUP = TensorParallelGroup(0, 1, None)
+    _STAGE = PipelineStage(0, 1, 0, 1, None)

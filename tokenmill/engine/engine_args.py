@@ -108,9 +108,18 @@ def resolve_speculative(spec: dict[str, Any] | SpeculativeConfig | None) -> Spec
 
 
 def resolve_parallel(args: EngineArgs, hf_config: Any, speculative: SpeculativeConfig | None) -> ParallelConfig:
-    """The checked ParallelConfig: the heads split evenly, and nothing asked that tensor parallelism lacks."""
-    parallel = ParallelConfig(args.tensor_parallel_size, args.distributed_executor_backend)
-    if parallel.tensor_parallel_size > 1:
+    """The checked ParallelConfig: the heads split evenly, the layers over the stages, and nothing asked
+    that tensor or pipeline parallelism lacks."""
+    parallel = ParallelConfig(
+        args.tensor_parallel_size,
+        args.distributed_executor_backend,
+        args.pipeline_parallel_size,
+        _partition(args.pp_layer_partition),
+    )
+    if parallel.pipeline_parallel_size > 1:
+        parallel.check_model(hf_config)
+        _check_pipeline(args, hf_config, speculative)
+    if parallel.world_size > 1:
         parallel.check_model(hf_config)
         if speculative is not None and speculative.method == "draft_model":
             raise ValueError(
@@ -120,6 +129,31 @@ def resolve_parallel(args: EngineArgs, hf_config: Any, speculative: SpeculativeC
         if args.device not in ("cpu", "cuda"):
             raise ValueError(f"tensor parallelism runs on cpu (gloo) or cuda (NCCL), not {args.device!r}.")
     return parallel
+
+
+def _partition(value: str | None) -> tuple[int, ...] | None:
+    if value is None or not value.strip():
+        return None
+    try:
+        return tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise ValueError(f"pp_layer_partition takes layer counts like '3,2', got {value!r}.") from None
+
+
+def _check_pipeline(args: EngineArgs, hf_config: Any, speculative: SpeculativeConfig | None) -> None:
+    """What pipeline parallelism does not serve yet: a clear error before any rank starts."""
+    from tokenmill.models.architectures import supports_pipeline  # imports torch: only when asked for
+
+    reason = supports_pipeline(hf_config)
+    unsupported = {
+        reason or "": reason is not None,
+        "speculative decoding": speculative is not None,
+        "LoRA adapters": bool(args.enable_lora),
+        "the second KV tier (--kv-offloading-size)": bool(args.kv_offloading_size),
+    }
+    found = [what for what, used in unsupported.items() if used]
+    if found:
+        raise ValueError(f"pipeline_parallel_size > 1 does not serve {found[0]} (yet); use pipeline_parallel_size 1.")
 
 
 def resolve_lora(args: EngineArgs) -> LoRAConfig | None:

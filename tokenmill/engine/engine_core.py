@@ -189,8 +189,9 @@ class EngineCore:
         self.num_failed_steps = 0  # model steps that raised (each ended only its own requests)
         self.decode_stats = DecodeStepStats()
         self.last_step = StepShape()
-        # Every rank reads its own shard of the weights and of the KV cache: count them all.
-        ranks = config.parallel.tensor_parallel_size
+        # Every rank reads its own shard of the weights and of the KV cache: count them all (pipeline
+        # stages: as many as rank 0's, an estimate where the stages are uneven).
+        ranks = config.parallel.world_size
         self.weight_bytes = weight_bytes(self.runner.model) * ranks
         self.kv_bytes_per_token = self.executor.kv_cache_bytes_per_block() * ranks // config.cache.block_size
         logger.info(
@@ -213,8 +214,11 @@ class EngineCore:
         (after a restart, the blocks a file tier kept, the oldest dropped beyond the capacity)."""
         cache = self.config.cache
         size = cache.kv_offloading_size or 0.0
-        if self.config.parallel.tensor_parallel_size > 1:
-            raise ValueError("--kv-offloading-size works with --tensor-parallel-size 1 only (for now); drop one.")
+        if self.config.parallel.world_size > 1:
+            raise ValueError(
+                "--kv-offloading-size works with --tensor-parallel-size 1 and --pipeline-parallel-size 1 only "
+                "(for now); drop one."
+            )
         if self.runner.kv_groups.num_groups > 1:
             raise ValueError("--kv-offloading-size does not serve sliding-window models (for now); drop it.")
         if not cache.enable_prefix_caching:

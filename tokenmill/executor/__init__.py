@@ -1,4 +1,5 @@
-"""Runs the model runner: in this process, or one process (or Ray actor) per tensor-parallel rank."""
+"""Runs the model runner: in this process, or one process (or Ray actor) per rank (tensor-parallel ranks
+of each pipeline stage)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def make_executor(
 ) -> Executor:
     """The executor config.parallel asks for; `grammars` is rank 0's grammar compiler."""
     parallel = config.parallel
-    if parallel.tensor_parallel_size == 1:
+    if parallel.world_size == 1:
         from tokenmill.executor.uniproc import UniprocExecutor
 
         return UniprocExecutor(config, folder, eos_token_ids, grammars)

@@ -24,7 +24,9 @@ from tokenmill.executor.messages import (
     RankFailed,
     RankReady,
     RankStarted,
+    ReportStageTime,
     Shutdown,
+    StageTimeReply,
     WorkerCommand,
 )
 from tokenmill.executor.rank_setup import seed_rank, setup_rank
@@ -33,6 +35,7 @@ from tokenmill.log_format import configure_child_logging
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.llguidance_backend import LLGuidanceBackend
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.pipeline_step import STAGE_TIME
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +74,9 @@ def _serve(runner: ModelRunner, conn: Connection) -> None:
             command = WORKER_COMMANDS.decode(conn.recv_bytes())
         except (EOFError, OSError):  # rank 0 is gone
             return
-        if not run_command(runner, command):
+        if isinstance(command, ReportStageTime):
+            conn.send_bytes(RANK_REPLIES.encode(StageTimeReply(STAGE_TIME.busy_s, STAGE_TIME.wait_s)))
+        elif not run_command(runner, command):
             return
 
 

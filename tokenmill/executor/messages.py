@@ -28,7 +28,11 @@ class Shutdown(Message):
     pass
 
 
-WorkerCommand = ExecuteStep | AllocateKVCache | ProfileRun | CaptureCudaGraphs | Shutdown
+class ReportStageTime(Message):
+    """Reply with this rank's StageTime (pipeline stages: seconds busy and waiting in steps)."""
+
+
+WorkerCommand = ExecuteStep | AllocateKVCache | ProfileRun | CaptureCudaGraphs | Shutdown | ReportStageTime
 
 WORKER_COMMANDS: Codec[WorkerCommand] = Codec(WorkerCommand, "command from rank 0")
 
@@ -47,6 +51,11 @@ class RankFailed(Message):
     reason: str
 
 
-RankReply = RankStarted | RankReady | RankFailed
+class StageTimeReply(Message):
+    busy_s: float
+    wait_s: float
+
+
+RankReply = RankStarted | RankReady | RankFailed | StageTimeReply
 
 RANK_REPLIES: Codec[RankReply] = Codec(RankReply, "reply from a tensor-parallel rank")

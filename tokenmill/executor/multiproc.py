@@ -23,11 +23,20 @@ from tokenmill.config import EngineConfig
 from tokenmill.distributed.parallel_state import check_no_group, destroy_tensor_parallel
 from tokenmill.executor.base import ExecutorDeadError
 from tokenmill.executor.follower import follower_main
-from tokenmill.executor.messages import RANK_REPLIES, WORKER_COMMANDS, RankFailed, RankStarted, Shutdown
+from tokenmill.executor.messages import (
+    RANK_REPLIES,
+    WORKER_COMMANDS,
+    RankFailed,
+    RankStarted,
+    ReportStageTime,
+    Shutdown,
+    StageTimeReply,
+)
 from tokenmill.executor.rank_setup import cores_for_rank, free_port, seed_rank, setup_rank
 from tokenmill.executor.spmd import SpmdExecutor
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.pipeline_step import STAGE_TIME
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +51,7 @@ class MultiprocExecutor(SpmdExecutor):
         self, config: EngineConfig, folder: Path | None, eos_token_ids: list[int], grammars: GrammarCompiler
     ) -> None:
         check_no_group()  # before any follower starts: a failed start must not end the other engine's group
-        world_size = config.parallel.tensor_parallel_size
+        world_size = config.parallel.world_size
         cores = (
             sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         )
@@ -105,6 +114,17 @@ class MultiprocExecutor(SpmdExecutor):
         if hasattr(os, "sched_setaffinity"):  # the engine's process is the caller's: give its cores back
             os.sched_setaffinity(0, self._saved_cores)
         torch.set_num_threads(self._saved_threads)
+
+    def stage_times(self) -> list[tuple[float, float]]:
+        """Every rank's (busy, waiting) seconds in pipeline steps so far, rank 0's first (benchmarks)."""
+        self._send(ReportStageTime())
+        times = [(STAGE_TIME.busy_s, STAGE_TIME.wait_s)]
+        for rank, conn in enumerate(self.conns, start=1):
+            reply = RANK_REPLIES.decode(conn.recv_bytes())
+            if not isinstance(reply, StageTimeReply):
+                raise ExecutorDeadError(f"rank {rank} sent {reply!r} for its stage times")
+            times.append((reply.busy_s, reply.wait_s))
+        return times
 
     # ------------------------------------------------------------------ SpmdExecutor's hooks
     def _broadcast(self, data: bytes) -> None:

@@ -39,9 +39,12 @@ def free_port() -> int:
 
 
 def setup_rank(config: EngineConfig, rank: int, init_method: str, cores: list[int]) -> None:
-    """Pin, then join the group (blocks until every rank has joined)."""
+    """Pin, then join the group (blocks until every rank has joined): rank // TP is its pipeline stage."""
     pin_to_cores(cores)
-    init_tensor_parallel(rank, config.parallel.tensor_parallel_size, init_method, config.device)
+    parallel = config.parallel
+    stages = parallel.stage_layers(int(config.model.hf_config.num_hidden_layers))
+    layers = stages if parallel.pipeline_parallel_size > 1 else None
+    init_tensor_parallel(rank, parallel.world_size, init_method, config.device, stage_layers=layers)
 
 
 def seed_rank(config: EngineConfig) -> None:

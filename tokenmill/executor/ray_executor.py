@@ -49,7 +49,7 @@ class RankActor:
     ) -> None:
         import ray
 
-        world_size = config.parallel.tensor_parallel_size
+        world_size = config.parallel.world_size
         if ray.util.get_node_ip_address() == driver_ip:  # type: ignore[no-untyped-call]  # beside rank 0: split this machine's cores with it
             cores = cores_for_rank(sorted(os.sched_getaffinity(0)), rank, world_size)
         else:
@@ -79,7 +79,7 @@ class RayExecutor(SpmdExecutor):
             ) from exc
         self._ray: Any = ray
         check_no_group()  # before any follower starts: a failed start must not end the other engine's group
-        world_size = config.parallel.tensor_parallel_size
+        world_size = config.parallel.world_size
         cores = sorted(os.sched_getaffinity(0))
         self._saved_cores, self._saved_threads = cores, torch.get_num_threads()
         self._started_ray = not ray.is_initialized()

@@ -49,6 +49,20 @@ _BY_MODEL_TYPE: dict[str, str] = {
 }
 
 
+# Architectures whose model runs one pipeline stage's layers (LlamaForCausalLM.forward_stage).
+_PIPELINE_STAGES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"}
+)
+
+
+def supports_pipeline(hf_config: Any) -> str | None:
+    """None where the model runs in pipeline stages, else what it is (for an error message)."""
+    arch = architecture_of(hf_config)
+    if arch in _PIPELINE_STAGES:
+        return None
+    return f"the {arch} architecture (pipeline stages run {', '.join(sorted(_PIPELINE_STAGES))})"
+
+
 def is_classifier(hf_config: Any) -> bool:
     """Whether the config's model is a *ForSequenceClassification one: it scores, never generates."""
     return (architecture_of(hf_config) or "").endswith("ForSequenceClassification")

@@ -17,7 +17,7 @@ from torch import nn
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.distributed.communication import all_reduce_
-from tokenmill.distributed.parallel_state import tp_world_size
+from tokenmill.distributed.parallel_state import get_pp_stage, tp_world_size
 from tokenmill.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from tokenmill.models.layers.linear import (
     MergedLinear,
@@ -196,9 +196,12 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend
         self.vocab_size = int(hf_config.vocab_size)
         self.embed_tokens = VocabParallelEmbedding(self.vocab_size, hf_config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, qk_norm, qkv_bias) for _ in range(hf_config.num_hidden_layers)
-        )
+        # A pipeline stage builds its own decoder layers only; `layers[i]` is the checkpoint's layer
+        # first_layer + i. (Every stage keeps the embedding, final norm and head: the first stage looks
+        # tokens up, the last computes logits, and a tied head is the embedding.)
+        stage = get_pp_stage()
+        self.first_layer, end = stage.layers or (0, int(hf_config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(hf_config, qk_norm, qkv_bias) for _ in range(end - self.first_layer))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(hf_config.hidden_size, self.vocab_size)
@@ -212,12 +215,26 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Returns the final hidden states, [num_tokens, hidden_size]."""
-        hidden = self.embed_tokens(input_ids)
+        return self.norm(*self.forward_stage(input_ids, positions, meta))[0]
+
+    def forward_stage(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        meta: AttentionMetadata,
+        received: tuple[torch.Tensor, torch.Tensor] | None = None,  # the previous stage's (hidden, residual)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This pipeline stage's layers: (hidden, residual) [num_tokens, hidden_size] each, before the
+        final norm (the first stage looks the tokens up; the others continue from `received`)."""
+        if received is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = received
         rotary = self.rotary(positions)
-        residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rotary, meta, self.backend)
-        return self.norm(hidden, residual)[0]
+        assert residual is not None  # every layer returns the residual stream
+        return hidden, residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size] float32, the same on every rank."""
@@ -240,5 +257,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
+            if name.startswith("layers."):  # another pipeline stage's layer is not ours to load
+                index, _, rest = name.removeprefix("layers.").partition(".")
+                if not 0 <= int(index) - self.first_layer < len(self.layers):
+                    continue
+                name = f"layers.{int(index) - self.first_layer}.{rest}"
             loaded.add(load_tensor(self, params, name, tensor))
         return loaded

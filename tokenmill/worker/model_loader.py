@@ -12,7 +12,7 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import ModelConfig
-from tokenmill.distributed.parallel_state import tp_world_size
+from tokenmill.distributed.parallel_state import pp_world_size, tp_world_size
 from tokenmill.loader import hf
 from tokenmill.loader.dummy import init_dummy_weights
 from tokenmill.models.architectures import model_class
@@ -56,8 +56,9 @@ def load_model(config: ModelConfig, folder: Path | None, backend: AttentionBacke
 
 def _cache_file(config: ModelConfig, folder: Path | None, device: str) -> Path | None:
     """Where the packed CPU weights are cached (worker/packed_cache.py); None where they are not: on
-    other devices, under tensor parallelism (each rank packs its shard) and for a .gguf file's blocks."""
-    if device != "cpu" or tp_world_size() > 1 or config.quantization == "gguf":
+    other devices, under tensor or pipeline parallelism (each rank packs its shard) and for a .gguf
+    file's blocks."""
+    if device != "cpu" or tp_world_size() > 1 or pp_world_size() > 1 or config.quantization == "gguf":
         return None
     return packed_cache.cache_file(config, folder)
 

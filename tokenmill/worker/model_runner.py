@@ -12,6 +12,7 @@ from torch import nn
 from tokenmill.attention.pair_layout import cache_row_width
 from tokenmill.attention.selector import get_backend
 from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.distributed.parallel_state import pp_world_size
 from tokenmill.kv_groups import GroupLimits, KVGroupSpec
 from tokenmill.kv_tier.stats import KVTierStats
 from tokenmill.lora.slots import LoRASlots
@@ -33,6 +34,7 @@ from tokenmill.worker.input_batch import RunnerRequestState, StepBatch, build_st
 from tokenmill.worker.kv_tier_io import KVTierIO, open_kv_tier
 from tokenmill.worker.model_interface import CausalLM
 from tokenmill.worker.model_loader import load_model
+from tokenmill.worker.pipeline_step import run_pipeline_step
 from tokenmill.worker.pooler import pool_step
 from tokenmill.worker.spec_verify import accepted_tokens, verify_metadata
 
@@ -54,7 +56,9 @@ def _model_kv_bytes_per_block(config: EngineConfig, hf_config: Any) -> int:
     num_kv_heads = max(1, total_kv_heads // config.parallel.tensor_parallel_size)
     itemsize = torch.empty(0, dtype=getattr(torch, config.cache.kv_cache_dtype)).element_size()
     width = cache_row_width(head_dim_of(hf_config), config.cache.kv_cache_dtype)
-    per_token: int = 2 * hf_config.num_hidden_layers * num_kv_heads * width * itemsize
+    # A pipeline stage caches its own layers only: the largest stage's count, so every stage's blocks fit.
+    num_layers = max(end - start for start, end in config.parallel.stage_layers(int(hf_config.num_hidden_layers)))
+    per_token: int = 2 * num_layers * num_kv_heads * width * itemsize
     return per_token * config.cache.block_size
 
 
@@ -169,6 +173,8 @@ class ModelRunner:
         or the model (the target or a draft) does not fit it: (the stack, None) or (None, why not)."""
         if self.config.enforce_eager:
             return None, "enforce_eager"
+        if pp_world_size() > 1:
+            return None, "pipeline parallel (each stage runs its layers eagerly)"
         if not isinstance(module, LlamaForCausalLM):
             return None, f"{type(module).__name__} has no fused decode stack"
         reason = unsupported_reason(module) if self.device.type == "cpu" else "not on CPU"
@@ -208,6 +214,9 @@ class ModelRunner:
         graphs read it where it is now. A no-op off CUDA, with enforce_eager, or with an attention
         backend that cannot be graphed; every step then runs eagerly."""
         if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.supports_cuda_graphs:
+            return
+        if pp_world_size() > 1:
+            logger.info("no CUDA graphs: pipeline stages run their layers eagerly")
             return
         attns = [layer.self_attn for layer in self.model.layers]
         if any(getattr(a, "sliding_window", None) or getattr(a, "logit_softcap", None) for a in attns):
@@ -320,6 +329,11 @@ class ModelRunner:
         spec = sched.scheduled_spec_tokens
         drafts = [spec.get(s.req_id, []) for s in states] if spec else None
         pooling = bool(self.pooling_ids) and not self.pooling_ids.isdisjoint(sched.num_scheduled_tokens)
+        if pp_world_size() > 1:  # this rank runs one stage's layers (worker/pipeline_step.py)
+            model, size, device = self.model, self.block_size, self.device
+            output = run_pipeline_step(model, states, num_scheduled, size, device, pooling, self.outputs)
+            self._advance(states, num_scheduled, spec, output)
+            return output
         batch = build_step_batch(states, num_scheduled, self.block_size, self.device, drafts, pooling)
         if self.loras is None:
             return self._run(batch, states, num_scheduled, spec, pooling)
@@ -340,6 +354,17 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         """The step's forward, then what it yields: pooled rows, prompt logprobs, sampled tokens, drafts."""
         hidden = self._forward(batch, adapted)  # [num_tokens, hidden]
+        output = self.outputs(hidden, batch, states, pooling)
+        self._advance(states, num_scheduled, spec, output)
+        if self.proposer is not None and batch.sample_req_ids:
+            self._propose(len(states), batch.sample_req_ids, output)
+        return output
+
+    def outputs(
+        self, hidden: torch.Tensor, batch: StepBatch, states: list[RunnerRequestState], pooling: bool
+    ) -> ModelRunnerOutput:
+        """What the final hidden states of `batch` ([num_tokens, hidden]) yield: pooled rows, prompt
+        logprobs, sampled tokens (appended to their states)."""
         output = ModelRunnerOutput(sampled_token_ids={})
         if pooling:
             qsl = batch.attn_metadata.query_start_loc_cpu
@@ -348,14 +373,21 @@ class ModelRunner:
             output.prompt_logprobs = self._prompt_logprobs(hidden, batch)
         if batch.sample_req_ids:
             self._sample(hidden, batch, output)
+        return output
+
+    def _advance(
+        self,
+        states: list[RunnerRequestState],
+        num_scheduled: list[int],
+        spec: dict[str, list[int]],
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Count the step's computed tokens (rejected drafts are computed again)."""
         for state, n in zip(states, num_scheduled):
             state.num_computed_tokens += n
             num_drafts = len(spec.get(state.req_id, ())) if spec else 0
             if num_drafts:  # rejected drafts are computed again: the scheduler rolls back the same way
                 state.num_computed_tokens -= num_drafts + 1 - len(output.sampled_token_ids[state.req_id])
-        if self.proposer is not None and batch.sample_req_ids:
-            self._propose(len(states), batch.sample_req_ids, output)
-        return output
 
     def _forward(self, batch: StepBatch, adapted: bool = False) -> torch.Tensor:
         """A decode step that fits a captured graph replays it (its output is a view, valid until the
