@@ -47,6 +47,9 @@ class ModelConfig:
         return int(self.hf_config.vocab_size)
 
 
+KV_ROLES = ("both", "prefill", "decode")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -60,10 +63,20 @@ class CacheConfig:
     # the file tier lives on CPU (None: under the tokenmill cache folder).
     kv_offloading_size: float | None = None
     kv_offloading_path: str | None = None
+    # Prefill/decode disaggregation over a file tier several engines share: "prefill" saves every finished
+    # request's prompt blocks to it at once; "decode" also finds blocks other engines saved there.
+    kv_role: str = "both"
 
     def __post_init__(self) -> None:
         if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
             raise ValueError(f"kv_offloading_size is in GiB and must be > 0, got {self.kv_offloading_size}.")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}.")
+        if self.kv_role != "both" and self.kv_offloading_size is None:
+            raise ValueError(
+                f"kv_role {self.kv_role!r} passes KV blocks through the second tier's folder: give "
+                "--kv-offloading-size (and the same --kv-offloading-path to the prefill and decode engines)."
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization is a share of the device's memory in (0, 1], got "
@@ -336,6 +349,14 @@ class EngineArgs:
         group="cache",
         metavar="DIR",
         help="CPU: the folder of the file tier (default: kv_tier/ under the tokenmill cache folder)",
+    )
+    kv_role: str = setting(
+        "both",
+        group="cache",
+        choices=KV_ROLES,
+        help="prefill/decode disaggregation through the file tier's folder (with --kv-offloading-size): "
+        "prefill saves each finished request's prompt blocks there at once; decode finds blocks other "
+        "engines saved (default: both, neither)",
     )
     load_format: str = setting("auto", group="model", choices=LOAD_FORMATS, help="how to read the weights")
     seed: int = setting(0, group="model", help="seed of random weights and of unseeded sampling")

@@ -80,7 +80,7 @@ def run(name: str, model: str, num_requests: int | None) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", type=Path, required=True)
+    parser.add_argument("--output", type=Path, help="the JSON result (bench/results/<cpu>/pipeline_parallel.json)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=None, help="default: the workload's 64")
     parser.add_argument("--model", default="qwen2.5-0.5b")
@@ -89,6 +89,8 @@ def main() -> None:
     if args.one:
         print(json.dumps(one_run(args.one, args.model, args.num_requests)))
         return
+    if args.output is None:
+        parser.error("--output is required")
     from tokenmill.bench.hardware_info import cpu_model_name, isa_flags
 
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGS}

@@ -141,3 +141,34 @@ def test_a_killed_stage_ends_every_request_with_an_error_and_the_engine(tmp_path
             assert output.error is not None and "rank 1 exited with code -9" in output.error
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs Ray: pip install 'tokenmill[ray]'")
+def test_pp2_stages_on_two_ray_nodes_equal_pp1(tmp_path: Path) -> None:
+    """A Ray cluster of a head without CPUs (the driver: stage 0) and two one-CPU worker nodes: the
+    placement group's bundles land on the workers, so stage 1 runs on another node than stage 0 (nodes
+    of one machine here, raylets of their own, as ray.cluster_utils builds them)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    folder = make_tiny_model(tmp_path, "llama", num_hidden_layers=4)
+    one, _, _ = _generate(folder, dtype="float32", num_kv_blocks=64)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address, log_to_driver=False)
+        llm = LLM(
+            str(folder), dtype="float32", num_kv_blocks=64, pipeline_parallel_size=2, distributed_executor_backend="ray"
+        )
+        try:
+            driver_node = ray.get_runtime_context().get_node_id()
+            actor = llm.engine.executor.actors[0]  # type: ignore[attr-defined]
+            assert ray.get(actor.node_id.remote()) != driver_node
+            assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == _tokens(one)
+        finally:
+            llm.shutdown()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -80,3 +80,5 @@ def test_fleet_flags_make_the_fleet_config() -> None:
     args = parser.parse_args(["--autoscale", "1:3", "--cpus-per-replica", "2", "--fleet-router", "ray-default"])
     assert fleet_config(args) == FleetConfig(min_replicas=1, max_replicas=3, cpus_per_replica=2.0, prefix_router=False)
     assert fleet_config(parser.parse_args(["--replicas", "2"])) == FleetConfig(num_replicas=2)
+    joined = fleet_config(parser.parse_args(["--replicas", "2", "--ray-address", "auto"]))
+    assert joined == FleetConfig(num_replicas=2, ray_address="auto")

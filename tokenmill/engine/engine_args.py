@@ -71,6 +71,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
         enable_prefix_caching=args.enable_prefix_caching,
         kv_offloading_size=args.kv_offloading_size,
         kv_offloading_path=args.kv_offloading_path,
+        kv_role=args.kv_role,
     )
     scheduler = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,

@@ -225,6 +225,8 @@ class EngineCore:
             raise ValueError("--kv-offloading-size keeps prefix-cache blocks: it needs prefix caching on.")
         stats = KVTierStats()
         io = self.runner.open_kv_tier(stats)
+        if cache.kv_role != "both" and not io.store.persistent:
+            raise ValueError(f"kv_role {cache.kv_role!r} shares the CPU file tier's folder; on CUDA it is host memory.")
         capacity = int(size * 2**30 // io.block_nbytes)
         if capacity < 1:
             raise ValueError(
@@ -242,7 +244,8 @@ class EngineCore:
             getattr(io.store, "folder", "host memory"),
             len(index),
         )
-        return TierScheduler(self.kv_cache, index, stats, io.fetch)
+        probe = io.probe if cache.kv_role == "decode" else None  # blocks prefill engines saved
+        return TierScheduler(self.kv_cache, index, stats, io.fetch, probe)
 
     def add_request(self, request: Request) -> None:
         # The executor's followers get the params on the wire (a dict schema as its text).
@@ -333,7 +336,17 @@ class EngineCore:
             self.decode_stats.steps += 1
             self.decode_stats.seconds += seconds
             self.decode_stats.tokens += sum(len(t) for t in runner_out.sampled_token_ids.values())
+        if self.config.cache.kv_role == "prefill" and any(o.finished for o in outputs):
+            self._save_prefixes()
         return outputs
+
+    def _save_prefixes(self) -> None:
+        """A prefill engine's finished requests' prompt blocks (every cached prefix the tier lacks) into the
+        shared tier's folder, written before their outputs are returned: a decode engine asked next finds
+        them."""
+        tier_io, tier = self.runner.kv_tier, self.scheduler.kv_tier
+        if tier_io is not None and tier is not None:
+            tier_io.save_now(*tier.save_pool())
 
     def _fail(self, req_ids: list[str], message: str) -> list[EngineCoreOutput]:
         for req_id in req_ids:

@@ -61,6 +61,12 @@ class RankActor:
     def ready(self) -> bool:
         return True
 
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (ranks of a placement group may span nodes)."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
     def run(self, data: bytes) -> None:
         run_command(self.runner, WORKER_COMMANDS.decode(data))
 

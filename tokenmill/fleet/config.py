@@ -23,6 +23,9 @@ class FleetConfig:
     health_check_period_s: float = 5.0
     health_check_timeout_s: float = 30.0
     routing_stats_period_s: float = 2.0
+    ray_address: str | None = (
+        None  # the Ray cluster to join ("auto": the one on this node); None: RAY_ADDRESS or a new one
+    )
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:

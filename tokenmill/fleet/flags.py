@@ -41,6 +41,13 @@ def add_fleet_flags(serve: argparse.ArgumentParser) -> None:
         help="CPUs Ray reserves for each replica; its engine uses that many threads (default 1)",
     )
     group.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDRESS",
+        help="join this Ray cluster (auto: the one this node belongs to, as started by `ray start`; host:port: "
+        "its head) instead of starting a local instance (default: $RAY_ADDRESS when set)",
+    )
+    group.add_argument(
         "--fleet-router",
         choices=("prefix-aware", "ray-default"),
         default="prefix-aware",
@@ -69,4 +76,5 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
         target_ongoing_requests=args.target_ongoing_requests,
         cpus_per_replica=args.cpus_per_replica,
         prefix_router=args.fleet_router == "prefix-aware",
+        ray_address=args.ray_address,
     )

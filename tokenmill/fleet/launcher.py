@@ -30,7 +30,7 @@ class FleetRun:
         import ray
         from ray import serve
 
-        address = os.environ.get("RAY_ADDRESS")
+        address = fleet.ray_address or os.environ.get("RAY_ADDRESS")
         if not ray.is_initialized():
             # A local instance without the dashboard: it would take memory and CPU from the replicas.
             ray.init(address=address, include_dashboard=False if address is None else None, log_to_driver=log_to_driver)

@@ -40,6 +40,10 @@ class BlockStore(Protocol):
 
     def delete(self, block_hash: bytes) -> None: ...
 
+    def contains(self, block_hash: bytes) -> bool:
+        """Whether a block of this hash is stored (unchecked: a get still checks it)."""
+        ...
+
     def hashes(self) -> list[bytes]:
         """Every stored block, oldest first."""
         ...
@@ -94,6 +98,9 @@ class FileBlockStore:
 
     def delete(self, block_hash: bytes) -> None:
         self._path(block_hash).unlink(missing_ok=True)
+
+    def contains(self, block_hash: bytes) -> bool:
+        return self._path(block_hash).is_file()
 
     def hashes(self) -> list[bytes]:
         found = []
@@ -155,6 +162,10 @@ class HostBlockStore:
     def delete(self, block_hash: bytes) -> None:
         with self._lock:
             self._blocks.pop(block_hash, None)
+
+    def contains(self, block_hash: bytes) -> bool:
+        with self._lock:
+            return block_hash in self._blocks
 
     def hashes(self) -> list[bytes]:
         with self._lock:

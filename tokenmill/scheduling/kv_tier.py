@@ -22,14 +22,20 @@ from tokenmill.scheduling.request import Request
 # Reads and checks the tier blocks of these hashes, in order, keeping them for this step's loads; returns
 # how many leading ones are good (the first bad one ends the prefix).
 Fetch = Callable[[list[bytes]], int]
+# How many leading hashes of these the tier's store holds, written there by other engines (prefill/decode
+# disaggregation: a decode engine's index never saw them).
+Probe = Callable[[list[bytes]], int]
 
 
 class TierScheduler:
-    def __init__(self, kv_cache: KVCacheManager, index: TierIndex, stats: KVTierStats, fetch: Fetch) -> None:
+    def __init__(
+        self, kv_cache: KVCacheManager, index: TierIndex, stats: KVTierStats, fetch: Fetch, probe: Probe | None = None
+    ) -> None:
         self.kv_cache = kv_cache
         self.index = index
         self.stats = stats
         self.fetch = fetch
+        self.probe = probe
         stats.capacity_blocks = index.capacity_blocks
         stats.num_blocks = len(index)
         # This step's transfers, handed out by take_step().
@@ -65,6 +71,11 @@ class TierScheduler:
         hashes = self.kv_cache.block_hashes(request)[len(pool_hits) : self.kv_cache.max_hit_blocks(request)]
         pool = self.kv_cache.pool
         num = self.index.match(hashes)
+        if self.probe is not None and num < len(hashes):  # saved by a prefill engine since
+            found = self.probe(hashes[num:])
+            for block_hash in hashes[num : num + found]:
+                self.index.add(block_hash)  # what this drops is other engines' to delete, not ours
+            num += found
         if num == 0:
             return False
         pool.touch(pool_hits)  # taking free blocks must not evict the hits the loads extend

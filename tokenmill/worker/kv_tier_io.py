@@ -52,6 +52,22 @@ class KVTierIO:
         self.stats.loads += 1
         return good
 
+    def probe(self, hashes: list[bytes]) -> int:
+        """How many leading `hashes` the store holds (other engines' saves; a load still checks each)."""
+        num = 0
+        while num < len(hashes) and self.store.contains(hashes[num]):
+            num += 1
+        return num
+
+    def save_now(self, saves: Sequence[tuple[int, bytes]], deletes: Sequence[bytes]) -> None:
+        """Write `saves` and apply `deletes` before returning (a prefill engine's prompt blocks, which a
+        decode engine reads next)."""
+        for block_id, block_hash in saves:
+            self.writer.submit(block_hash, self._gather(block_id), wait=True)
+        for block_hash in deletes:
+            self.writer.delete(block_hash)
+        self.writer.flush()
+
     def transfer(self, sched: SchedulerOutput) -> None:
         """The step's saves (before its forward overwrites the evicted blocks), deletes, then loads of the
         blocks fetched while it was scheduled."""
