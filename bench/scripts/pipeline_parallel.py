@@ -11,8 +11,10 @@ noisy machine hit them all; medians are quoted. Configurations:
 - pp1-eager: the same, layer by layer from Python (--enforce-eager): pipeline stages run their layers
   this way, so this is the baseline that isolates what splitting the layers costs;
 - tp2: two tensor-parallel ranks, each pinned to half the cores;
-- pp2: two pipeline stages (12 layers each), each pinned to half the cores; a step's requests go through
-  as two micro-batches.
+- pp2: two pipeline stages, each pinned to half the cores, the layers split by weights read (17 + 7: the
+  last stage also runs the 151,936 x 896 LM head, 9 layers' worth); a step's requests go through as two
+  micro-batches;
+- pp2-even: the same with 12 + 12 layers (--pp-layer-partition 12,12).
 Scaling efficiency = tok/s / (2 x pp1 tok/s). For pp2 each stage's busy and waiting seconds over the
 run (warm-up included) give its idle share."""
 
@@ -33,6 +35,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "pp1-eager": {"enforce_eager": True},
     "tp2": {"tensor_parallel_size": 2},
     "pp2": {"pipeline_parallel_size": 2},
+    "pp2-even": {"pipeline_parallel_size": 2, "pp_layer_partition": "12,12"},
 }
 
 
@@ -57,7 +60,7 @@ def one_run(name: str, model: str, num_requests: int | None) -> dict[str, Any]:
             "steps": result.num_steps,
             "fused_decode": llm.engine.runner.fused_decode_off_reason or "on",
         }
-        if name == "pp2":
+        if name.startswith("pp2"):
             for stage, (busy, wait) in enumerate(llm.engine.executor.stage_times()):  # type: ignore[attr-defined]
                 report[f"stage{stage}_busy_s"] = busy
                 report[f"stage{stage}_wait_s"] = wait
@@ -117,6 +120,7 @@ def main() -> None:
         "pp2_vs_pp1": tok_s["pp2"] / tok_s["pp1"],
         "pp2_vs_pp1_eager": tok_s["pp2"] / tok_s["pp1-eager"],
         "pp2_vs_tp2": tok_s["pp2"] / tok_s["tp2"],
+        "pp2_vs_pp2_even": tok_s["pp2"] / tok_s["pp2-even"],
         "scaling_efficiency_pp2": tok_s["pp2"] / (2 * tok_s["pp1"]),
         "runs": runs,
     }

@@ -42,7 +42,7 @@ def setup_rank(config: EngineConfig, rank: int, init_method: str, cores: list[in
     """Pin, then join the group (blocks until every rank has joined): rank // TP is its pipeline stage."""
     pin_to_cores(cores)
     parallel = config.parallel
-    stages = parallel.stage_layers(int(config.model.hf_config.num_hidden_layers))
+    stages = parallel.stage_layers(config.model.hf_config)
     layers = stages if parallel.pipeline_parallel_size > 1 else None
     init_tensor_parallel(rank, parallel.world_size, init_method, config.device, stage_layers=layers)
 

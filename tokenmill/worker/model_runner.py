@@ -57,7 +57,7 @@ def _model_kv_bytes_per_block(config: EngineConfig, hf_config: Any) -> int:
     itemsize = torch.empty(0, dtype=getattr(torch, config.cache.kv_cache_dtype)).element_size()
     width = cache_row_width(head_dim_of(hf_config), config.cache.kv_cache_dtype)
     # A pipeline stage caches its own layers only: the largest stage's count, so every stage's blocks fit.
-    num_layers = max(end - start for start, end in config.parallel.stage_layers(int(hf_config.num_hidden_layers)))
+    num_layers = max(end - start for start, end in config.parallel.stage_layers(hf_config))
     per_token: int = 2 * num_layers * num_kv_heads * width * itemsize
     return per_token * config.cache.block_size
 
