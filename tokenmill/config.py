@@ -232,28 +232,18 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def stage_layers(self, hf_config: HFConfig | PretrainedConfig) -> list[tuple[int, int]]:
-        """Each pipeline stage's decoder layers [start, end): pp_layer_partition, else balanced by weights
-        read per step: the last stage also runs the LM head (vocab x hidden: several layers' worth on
-        a small model), so it takes fewer layers; the rest split as evenly as can be (the first stages
-        taking one more)."""
+        """Each pipeline stage's decoder layers [start, end): pp_layer_partition, else as even as can be
+        (the first stages taking one more: the last one also runs the final norm, the LM head and
+        sampling)."""
         num_layers, pp = int(hf_config.num_hidden_layers), self.pipeline_parallel_size
         if self.pp_layer_partition is not None:
             sizes = list(self.pp_layer_partition)
             if sum(sizes) != num_layers:
                 raise ValueError(f"pp_layer_partition {sizes} sums to {sum(sizes)} layers; the model has {num_layers}.")
-        elif pp > num_layers:
-            raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {num_layers} layers.")
-        elif pp == 1:
-            sizes = [num_layers]
         else:
-            head = _head_in_layers(hf_config)
-
-            def slowest(last: int) -> float:  # the busiest stage's layers when the last one takes `last`
-                return max(-(-(num_layers - last) // (pp - 1)), last + head)
-
-            last = min(range(1, num_layers - pp + 2), key=lambda n: (slowest(n), -n))
-            rest = num_layers - last
-            sizes = [rest // (pp - 1) + (i < rest % (pp - 1)) for i in range(pp - 1)] + [last]
+            if pp > num_layers:
+                raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {num_layers} layers.")
+            sizes = [num_layers // pp + (i < num_layers % pp) for i in range(pp)]
         starts = [sum(sizes[:i]) for i in range(pp)]
         return [(start, start + size) for start, size in zip(starts, sizes)]
 
@@ -281,17 +271,6 @@ class ParallelConfig:
             raise ValueError(
                 f"tensor_parallel_size {n} must divide the MLP's intermediate size {hf_config.intermediate_size}."
             )
-
-
-def _head_in_layers(hf_config: HFConfig | PretrainedConfig) -> float:
-    """The LM head's weights (vocab x hidden) in decoder layers' worth (attention and MLP weights)."""
-    hidden = int(hf_config.hidden_size)
-    heads = int(hf_config.num_attention_heads)
-    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(hf_config, "head_dim", None) or hidden // heads)
-    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
-    layer = attention + 3 * hidden * int(hf_config.intermediate_size)
-    return int(hf_config.vocab_size) * hidden / layer
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ noisy machine hit them all; medians are quoted. Configurations:
 - pp1-eager: the same, layer by layer from Python (--enforce-eager): pipeline stages run their layers
   this way, so this is the baseline that isolates what splitting the layers costs;
 - tp2: two tensor-parallel ranks, each pinned to half the cores;
-- pp2: two pipeline stages, each pinned to half the cores, the layers split by weights read (17 + 7: the
-  last stage also runs the 151,936 x 896 LM head, 9 layers' worth); a step's requests go through as two
-  micro-batches;
-- pp2-even: the same with 12 + 12 layers (--pp-layer-partition 12,12).
+- pp2: two pipeline stages, each pinned to half the cores, 17 + 7 layers (--pp-layer-partition 17,7:
+  the last stage also runs the 151,936 x 896 LM head, 9 layers' worth of weights); a step's requests go
+  through as two micro-batches;
+- pp2-even: the same with 12 + 12 layers (the default split).
 Scaling efficiency = tok/s / (2 x pp1 tok/s). For pp2 each stage's busy and waiting seconds over the
 run (warm-up included) give its idle share."""
 
@@ -34,8 +34,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "pp1": {},
     "pp1-eager": {"enforce_eager": True},
     "tp2": {"tensor_parallel_size": 2},
-    "pp2": {"pipeline_parallel_size": 2},
-    "pp2-even": {"pipeline_parallel_size": 2, "pp_layer_partition": "12,12"},
+    "pp2": {"pipeline_parallel_size": 2, "pp_layer_partition": "17,7"},
+    "pp2-even": {"pipeline_parallel_size": 2},
 }
 
 
