@@ -4,6 +4,7 @@ layer by layer from Python (enforce_eager)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,16 @@ def test_fused_decode_matches_layer_by_layer(
 MANY_PROMPTS = [list(range(3 + i, 10 + 3 * i)) for i in range(11)]
 
 
+def _or_skip(make: Callable[[], LLM]) -> LLM:
+    """The engine, or a skip where this CPU has no AVX-512 BF16 kernel for an int8 KV cache (it is refused)."""
+    try:
+        return make()
+    except ValueError as exc:
+        if "needs the 'cpu' attention backend's AVX-512 BF16 kernel" in str(exc):
+            pytest.skip("the AVX-512 BF16 attention kernel is not built here")
+        raise
+
+
 @pytest.mark.parametrize(
     ("precision", "prompts"),
     [
@@ -97,7 +108,9 @@ def test_fused_decode_with_the_avx512_attention_matches_layer_by_layer(
     attention items rotating their own rows and writing them into the cache (attn::decode_attention)."""
     folder = make_tiny_model(tmp_path / "llama", "llama", head_dim=32)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
-    fused = LLM(model=str(folder), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=16, **precision)
+    fused = _or_skip(
+        lambda: LLM(model=str(folder), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=16, **precision)
+    )
     if not fused.engine.runner.backend.serves_int8_cache(16, 2, 32):  # type: ignore[attr-defined]
         pytest.skip("the AVX-512 BF16 attention kernel is not built here")
     eager = LLM(
@@ -151,7 +164,9 @@ def test_fused_decode_refuses_a_malformed_layer_before_keeping_it(tmp_path: Path
     from tokenmill.ops import build
 
     folder = make_tiny_model(tmp_path / "llama", "llama", head_dim=32)
-    llm = LLM(model=str(folder), dtype="bfloat16", quantization="int8", kv_cache_dtype="int8", num_kv_blocks=64)
+    llm = _or_skip(
+        lambda: LLM(model=str(folder), dtype="bfloat16", quantization="int8", kv_cache_dtype="int8", num_kv_blocks=64)
+    )
     if not llm.engine.runner.backend.serves_int8_cache(16, 2, 32):  # type: ignore[attr-defined]
         pytest.skip("the AVX-512 BF16 attention kernel is not built here")
     model = llm.engine.runner.model

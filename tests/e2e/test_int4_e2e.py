@@ -5,6 +5,8 @@ with the other grouped kinds GGUF files bring: 8 bits, float32 params, groups of
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import cycle
 from pathlib import Path
 
@@ -50,9 +52,19 @@ def test_every_linear_and_the_tied_head_are_int4_and_the_embedding_stays_float(t
     assert error < 0.1
 
 
+@contextmanager
+def float_linears() -> Iterator[None]:
+    """Load a float32 model with its linear layers left as nn.Linear: an AVX2 build packs them into
+    Fp32Linear panels at load (the same arithmetic), and these tests overwrite or swap nn.Linear layers."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(packed_gemm, "isa", lambda: "scalar")
+        yield
+
+
 def dequantized_twin(folder: Path, int4: LLM) -> LLM:
     """The same model in fp32 with each linear layer's weight replaced by the int4 model's dequantized one."""
-    twin = LLM(str(folder), dtype="float32", num_kv_blocks=256, enforce_eager=True)
+    with float_linears():
+        twin = LLM(str(folder), dtype="float32", num_kv_blocks=256, enforce_eager=True)
     quantized = dict(int4.engine.runner.model.named_modules())
     with torch.no_grad():
         for name, module in twin.engine.runner.model.named_modules():
@@ -130,7 +142,8 @@ GGUF_LIKE_KINDS = [
 def grouped_llm(folder: Path, **kwargs: object) -> LLM:
     """The float32 model with its linear layers (qkv, o, gate_up, down in turn) and head rounded into
     the GGUF-like kinds, cycling through them."""
-    llm = LLM(str(folder), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=16, **kwargs)
+    with float_linears():
+        llm = LLM(str(folder), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=16, **kwargs)
     kinds = cycle(GGUF_LIKE_KINDS)
     swap_linears(
         llm.engine.runner.model,
