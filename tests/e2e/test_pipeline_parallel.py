@@ -74,17 +74,6 @@ def test_an_uneven_partition_and_tp2_inside_each_stage_equal_pp1(tmp_path: Path)
     _assert_logprobs_close(four_ranks, one)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs Ray: pip install 'tokenmill[ray]'")
-def test_pp2_on_ray_actors_equals_pp1(tmp_path: Path) -> None:
-    """The stages as Ray actors in a placement group (which may span nodes)."""
-    folder = make_tiny_model(tmp_path, "qwen2", num_hidden_layers=4)
-    one, _, _ = _generate(folder, dtype="float32", num_kv_blocks=64)
-    two, _, _ = _generate(
-        folder, dtype="float32", num_kv_blocks=64, pipeline_parallel_size=2, distributed_executor_backend="ray"
-    )
-    assert _tokens(two) == _tokens(one)
-
-
 def test_micro_batches_split_requests_by_tokens() -> None:
     assert micro_batches([10, 10, 10, 10], 2) == [range(0, 2), range(2, 4)]
     assert micro_batches([100, 1, 1, 1], 2) == [range(0, 1), range(1, 4)]
