@@ -6,14 +6,12 @@ with an error instead of hanging. The reference is the same engine at pipeline_p
 from __future__ import annotations
 
 import importlib.util
-import os
-import signal
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.e2e.test_tensor_parallel import kill_rank_1_mid_run
 from tests.tiny_models import make_tiny_model, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.outputs import RequestOutput
@@ -104,28 +102,7 @@ def test_a_killed_stage_ends_every_request_with_an_error_and_the_engine(tmp_path
     folder = make_tiny_model(tmp_path, "llama", num_hidden_layers=4)
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, pipeline_parallel_size=2)
     try:
-        executor: Any = llm.engine.executor
-        follower = executor.processes[0]  # the second stage
-        real_execute = llm.engine.runner.execute
-        steps = 0
-
-        def execute_then_kill(sched: Any) -> Any:  # rank 0 enters its third step after stage 1 died
-            nonlocal steps
-            steps += 1
-            if steps == 3:
-                os.kill(follower.pid, signal.SIGKILL)
-                follower.join(10)
-            return real_execute(sched)
-
-        llm.engine.runner.execute = execute_then_kill  # type: ignore[method-assign]
-        params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
-        outputs: list[RequestOutput] = []
-        worker = threading.Thread(target=lambda: outputs.extend(llm.generate(PROMPTS[:3], params, use_tqdm=False)))
-        worker.start()
-        worker.join(90)
-        assert not worker.is_alive(), "the engine hung on a dead stage"
-        assert len(outputs) == 3
-        for output in outputs:
+        for output in kill_rank_1_mid_run(llm, PROMPTS[:3]):  # rank 1: the second stage
             assert output.outputs[0].finish_reason == "error"
             assert output.error is not None and "rank 1 exited with code -9" in output.error
     finally:

@@ -150,10 +150,12 @@ def tp2_llm(tmp_path: Path) -> Iterator[LLM]:
     llm.engine.shutdown()
 
 
-def test_a_follower_killed_mid_run_ends_every_request_with_an_error_and_the_engine(tp2_llm: LLM) -> None:
-    executor: Any = tp2_llm.engine.executor
+def kill_rank_1_mid_run(llm: LLM, prompts: list[list[int]]) -> list[RequestOutput]:
+    """Generate `prompts` while rank 1's process is SIGKILLed before rank 0's third step; the outputs,
+    asserted to come back (no hang), one per prompt."""
+    executor: Any = llm.engine.executor
     follower = executor.processes[0]
-    real_execute = tp2_llm.engine.runner.execute
+    real_execute = llm.engine.runner.execute
     steps = 0
 
     def execute_then_kill(sched: Any) -> Any:  # rank 0 enters its third step after rank 1 died
@@ -164,15 +166,19 @@ def test_a_follower_killed_mid_run_ends_every_request_with_an_error_and_the_engi
             follower.join(10)
         return real_execute(sched)
 
-    tp2_llm.engine.runner.execute = execute_then_kill  # type: ignore[method-assign]
+    llm.engine.runner.execute = execute_then_kill  # type: ignore[method-assign]
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
     outputs: list[RequestOutput] = []
-    worker = threading.Thread(target=lambda: outputs.extend(tp2_llm.generate(PROMPTS[:3], params, use_tqdm=False)))
+    worker = threading.Thread(target=lambda: outputs.extend(llm.generate(prompts, params, use_tqdm=False)))
     worker.start()
-    worker.join(60)
+    worker.join(90)
     assert not worker.is_alive(), "the engine hung on a dead rank"
-    assert len(outputs) == 3
-    for output in outputs:
+    assert len(outputs) == len(prompts)
+    return outputs
+
+
+def test_a_follower_killed_mid_run_ends_every_request_with_an_error_and_the_engine(tp2_llm: LLM) -> None:
+    for output in kill_rank_1_mid_run(tp2_llm, PROMPTS[:3]):
         assert output.outputs[0].finish_reason == "error"
         assert output.error is not None and "rank 1 exited with code -9" in output.error
     with pytest.raises(RuntimeError, match="rank 1"):  # the engine is dead: no later step runs
