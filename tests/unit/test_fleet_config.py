@@ -26,6 +26,7 @@ def test_autoscale_takes_min_colon_max() -> None:
         ({"min_replicas": 1}, "both"),
         ({"min_replicas": 3, "max_replicas": 2}, "1 <= MIN <= MAX"),
         ({"target_ongoing_requests": 0}, "--target-ongoing-requests"),
+        ({"prefill_replicas": -1}, "--prefill-replicas"),
     ],
 )
 def test_bad_settings_are_refused_with_the_flag_named(kwargs: dict[str, int], message: str) -> None:
@@ -82,3 +83,28 @@ def test_fleet_flags_make_the_fleet_config() -> None:
     assert fleet_config(parser.parse_args(["--replicas", "2"])) == FleetConfig(num_replicas=2)
     joined = fleet_config(parser.parse_args(["--replicas", "2", "--ray-address", "auto"]))
     assert joined == FleetConfig(num_replicas=2, ray_address="auto")
+
+
+def test_prefill_replicas_make_a_disaggregated_fleet() -> None:
+    parser = argparse.ArgumentParser()
+    add_fleet_flags(parser)
+    pd = fleet_config(parser.parse_args(["--prefill-replicas", "1", "--pd-min-prompt-tokens", "64"]))
+    assert pd == FleetConfig(prefill_replicas=1, pd_min_prompt_tokens=64) and pd.disaggregated
+    assert not fleet_config(parser.parse_args(["--replicas", "2"])).disaggregated
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({}, "give --kv-offloading-size"),
+        ({"kv_offloading_size": 1.0, "kv_role": "decode"}, "drop --kv-role"),
+        ({"kv_offloading_size": 1.0, "device": "cuda"}, "runs on CPUs"),
+    ],
+)
+def test_a_disaggregated_fleet_needs_the_file_tier(overrides: dict[str, object], message: str) -> None:
+    from tokenmill.config import EngineArgs
+    from tokenmill.fleet.app import check_disaggregation
+
+    with pytest.raises(ValueError, match=message):
+        check_disaggregation(EngineArgs(model="m", **overrides))  # type: ignore[arg-type]
+    check_disaggregation(EngineArgs(model="m", kv_offloading_size=1.0))

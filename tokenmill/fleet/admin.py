@@ -38,20 +38,19 @@ class ReplicaAnswer:
 
 
 async def fan_out(
-    handle: DeploymentHandle[Any],
-    replicas: Sequence[str],
+    targets: Sequence[tuple[DeploymentHandle[Any], str]],
     scope: dict[str, Any],
     body: bytes,
     timeout_s: float = ADMIN_TIMEOUT_S,
 ) -> JSONResponse:
-    """Send one admin request through `handle` (the replicas' `handle` method) to each of `replicas`
-    (their ids), one after another; answer with all their answers. One at a time: a load or unload
+    """Send one admin request to each of `targets` (a deployment's handle, one of its replica ids),
+    one after another; answer with all their answers. One at a time: a load or unload
     rolls through the fleet while the other replicas serve, and Ray Serve tracks a call made while
     serving a request by that request's id, so two calls at once would be mixed up in routing."""
-    if not replicas:
+    if not targets:
         message = "no replica is running; retry when the fleet is up."
         return JSONResponse(error_body(503, message, "replica_unavailable") | {"replicas": []}, status_code=503)
-    return combined([await _ask(handle, r, scope, body, timeout_s) for r in replicas])
+    return combined([await _ask(handle, r, scope, body, timeout_s) for handle, r in targets])
 
 
 def combined(answers: Sequence[ReplicaAnswer]) -> JSONResponse:
@@ -73,7 +72,7 @@ async def _ask(
 ) -> ReplicaAnswer:
     stream = cast(DeploymentResponseGenerator[Any], handle.remote(scope, body, routing={PIN_REPLICA: replica}))
     try:
-        status, raw = await asyncio.wait_for(_collect(stream), timeout_s)
+        status, raw = await asyncio.wait_for(collect(stream), timeout_s)
     except asyncio.TimeoutError:
         stream.cancel()  # type: ignore[no-untyped-call]
         message = f"the replica did not answer within {timeout_s:g} s."
@@ -88,8 +87,8 @@ async def _ask(
     return ReplicaAnswer(replica, status, parsed)
 
 
-async def _collect(stream: DeploymentResponseGenerator[Any]) -> tuple[int, bytes]:
-    """The status and whole body of a replica's answer (admin answers are small JSON, never streams)."""
+async def collect(stream: DeploymentResponseGenerator[Any]) -> tuple[int, bytes]:
+    """The status and whole body of a replica's answer (an admin call's, a prefill hop's: small JSON)."""
     status, chunks = 500, []
     async for batch in stream:
         for message in batch:

@@ -1,5 +1,6 @@
 """The Ray Serve application: an ingress deployment in front of a replica deployment whose router is
-LLMRequestRouter. Start it with `tokenmill serve --replicas N` (launcher.py) or with Ray's CLI:
+LLMRequestRouter (and, with --prefill-replicas, a prefill deployment beside it: disaggregation.py).
+Start it with `tokenmill serve --replicas N` (launcher.py) or with Ray's CLI:
 
     serve run tokenmill.fleet.app:build_app args="--replicas 2 --max-model-len 1024 MODEL"
 
@@ -8,6 +9,7 @@ where `args` holds `tokenmill serve` flags."""
 from __future__ import annotations
 
 import shlex
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
 APP_NAME = "tokenmill"
 REPLICA_DEPLOYMENT = "TokenmillReplica"
 INGRESS_DEPLOYMENT = "TokenmillIngress"
+PREFILL_DEPLOYMENT = "TokenmillPrefill"
 
 
 def fleet_application(engine_args: EngineArgs, config: ServerConfig, fleet: FleetConfig) -> Application:
@@ -54,22 +57,33 @@ def fleet_application(engine_args: EngineArgs, config: ServerConfig, fleet: Flee
         else {"num_replicas": fleet.num_replicas}
     )
     deployment: Any = serve.deployment  # its overloads do not type the options form
-    router: dict[str, Any] = {
-        "request_router_class": LLMRequestRouter if fleet.prefix_router else StatsPowerOfTwoRouter,
-        "request_router_kwargs": {"slack_tokens": fleet.slack_tokens, "model_name": model},
-        "request_routing_stats_period_s": fleet.routing_stats_period_s,
-    }
-    replica = deployment(
-        ReplicaServer,
-        name=REPLICA_DEPLOYMENT,
-        ray_actor_options={"num_cpus": fleet.cpus_per_replica},
-        max_ongoing_requests=fleet.max_ongoing_requests,
-        health_check_period_s=fleet.health_check_period_s,
-        health_check_timeout_s=fleet.health_check_timeout_s,
-        graceful_shutdown_timeout_s=config.shutdown_timeout_s + 5,
-        **scaling,
-        request_router_config=RequestRouterConfig(**router),
-    )
+
+    def replicas(name: str, role: str, **options: Any) -> Any:
+        router: dict[str, Any] = {
+            "request_router_class": LLMRequestRouter if fleet.prefix_router else StatsPowerOfTwoRouter,
+            "request_router_kwargs": {"slack_tokens": fleet.slack_tokens, "model_name": model, "role": role},
+            "request_routing_stats_period_s": fleet.routing_stats_period_s,
+        }
+        return deployment(
+            ReplicaServer,
+            name=name,
+            ray_actor_options={"num_cpus": fleet.cpus_per_replica},
+            max_ongoing_requests=fleet.max_ongoing_requests,
+            health_check_period_s=fleet.health_check_period_s,
+            health_check_timeout_s=fleet.health_check_timeout_s,
+            graceful_shutdown_timeout_s=config.shutdown_timeout_s + 5,
+            request_router_config=RequestRouterConfig(**router),
+            **options,
+        )
+
+    prefill = None
+    if fleet.disaggregated:
+        check_disaggregation(engine_args)
+        prefill = replicas(PREFILL_DEPLOYMENT, "prefill", num_replicas=fleet.prefill_replicas).bind(
+            replace(engine_args, kv_role="prefill"), config, fleet.num_threads
+        )
+        engine_args = replace(engine_args, kv_role="decode")
+    replica = replicas(REPLICA_DEPLOYMENT, "decode" if fleet.disaggregated else "both", **scaling)
     # The ingress does no model work: it takes no CPU from the replicas' share.
     ingress = deployment(
         FleetIngress,
@@ -77,8 +91,23 @@ def fleet_application(engine_args: EngineArgs, config: ServerConfig, fleet: Flee
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=high * fleet.max_ongoing_requests * 2,
     )
-    app: Application = ingress.bind(replica.bind(engine_args, config, fleet.num_threads), config, fleet, model)
+    app: Application = ingress.bind(
+        replica.bind(engine_args, config, fleet.num_threads), config, fleet, model, prefill=prefill
+    )
     return app
+
+
+def check_disaggregation(engine_args: EngineArgs) -> None:
+    """--prefill-replicas sets each replica's kv_role and passes blocks through the file tier's folder."""
+    if engine_args.kv_role != "both":
+        raise ValueError("--prefill-replicas sets each replica's --kv-role itself: drop --kv-role")
+    if engine_args.kv_offloading_size is None:
+        raise ValueError(
+            "--prefill-replicas passes KV blocks through the second KV tier's folder: give --kv-offloading-size "
+            "(and --kv-offloading-path: a folder every node shares, when replicas run on several nodes)"
+        )
+    if engine_args.device != "cpu":
+        raise ValueError("--prefill-replicas runs on CPUs: on CUDA the second KV tier is each engine's host memory")
 
 
 def build_app(args: dict[str, str]) -> Application:

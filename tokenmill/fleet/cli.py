@@ -18,7 +18,7 @@ def add_fleet_args(serve: argparse.ArgumentParser) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from tokenmill.server import cli as server_cli
 
-    if args.replicas is None and args.autoscale is None:
+    if args.replicas is None and args.autoscale is None and not args.prefill_replicas:
         server_cli.cmd_serve(args)
         return
     from tokenmill.fleet.launcher import serve_fleet

@@ -23,6 +23,8 @@ class FleetConfig:
     health_check_period_s: float = 5.0
     health_check_timeout_s: float = 30.0
     routing_stats_period_s: float = 2.0
+    prefill_replicas: int = 0  # > 0: that many prefill replicas before the decode ones (P/D disaggregation)
+    pd_min_prompt_tokens: int = 512  # shorter prompts (estimated) skip the prefill hop
     ray_address: str | None = (
         None  # the Ray cluster to join ("auto": the one on this node); None: RAY_ADDRESS or a new one
     )
@@ -40,6 +42,13 @@ class FleetConfig:
             raise ValueError("cpus_per_replica must be positive")
         if self.slack_tokens < 0 or self.max_attempts < 1 or self.max_ongoing_requests < 1:
             raise ValueError("slack_tokens must be >= 0, max_attempts and max_ongoing_requests >= 1")
+        if self.prefill_replicas < 0 or self.pd_min_prompt_tokens < 0:
+            raise ValueError("--prefill-replicas and --pd-min-prompt-tokens must not be negative")
+
+    @property
+    def disaggregated(self) -> bool:
+        """Prefill replicas compute long prompts, decode replicas (the others) generate."""
+        return self.prefill_replicas > 0
 
     @property
     def autoscale(self) -> bool:

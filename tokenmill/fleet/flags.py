@@ -48,6 +48,23 @@ def add_fleet_flags(serve: argparse.ArgumentParser) -> None:
         "its head) instead of starting a local instance (default: $RAY_ADDRESS when set)",
     )
     group.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=0,
+        metavar="P",
+        help="prefill/decode disaggregation: P more replicas (--kv-role prefill) compute long prompts and leave "
+        "their KV blocks in the --kv-offloading-path folder, the --replicas ones (--kv-role decode) load them "
+        "and generate (default 0: every replica does both)",
+    )
+    group.add_argument(
+        "--pd-min-prompt-tokens",
+        type=int,
+        default=512,
+        metavar="T",
+        help="with --prefill-replicas: prompts shorter than about T tokens go straight to a decode replica "
+        "(default 512)",
+    )
+    group.add_argument(
         "--fleet-router",
         choices=("prefix-aware", "ray-default"),
         default="prefix-aware",
@@ -76,5 +93,7 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
         target_ongoing_requests=args.target_ongoing_requests,
         cpus_per_replica=args.cpus_per_replica,
         prefix_router=args.fleet_router == "prefix-aware",
+        prefill_replicas=args.prefill_replicas,
+        pd_min_prompt_tokens=args.pd_min_prompt_tokens,
         ray_address=args.ray_address,
     )

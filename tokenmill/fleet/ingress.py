@@ -7,13 +7,16 @@ A request whose replica fails before answering anything (the replica died, or it
 sent again to another, up to `max_attempts` sends; a stream cut in the middle ends with an error
 event: never silently. /admin/... goes to every replica (admin.py): each has its own model pool.
 /metrics is answered here: the fleet's own metrics plus every replica's, labelled with its replica.
+With prefill replicas (--prefill-replicas), a long prompt first goes to one of them to leave its KV
+blocks in the shared tier folder (disaggregation.py); a prefill hop that fails costs only time: the
+decode replica then computes the prompt itself.
 The ingress also watches the replica count and logs every scaling event."""
 
 # No `from __future__ import annotations` here: FastAPI reads the route methods' annotations after Ray
 # Serve has rebuilt them, and cannot resolve them from strings there.
 import asyncio
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
@@ -23,13 +26,14 @@ from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.types import Scope
 
-from tokenmill.fleet.admin import fan_out
+from tokenmill.fleet.admin import collect, fan_out
 from tokenmill.fleet.config import FleetConfig
+from tokenmill.fleet.disaggregation import prefill_body, takes_prefill_hop
 from tokenmill.fleet.front_door import FrontDoor
 from tokenmill.fleet.logs import use_serve_logging
 from tokenmill.fleet.metrics import FleetMetrics
 from tokenmill.fleet.relay import Relay, retryable
-from tokenmill.fleet.routing import hints_from_body
+from tokenmill.fleet.routing import ROLE, RoutingHints, hints_from_body
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import error_body
 from tokenmill.server.pool.admin import ADMIN_PREFIX
@@ -53,14 +57,26 @@ def _forwarded(request_scope: Scope) -> dict[str, Any]:
     return scope
 
 
+def _with_body(scope: dict[str, Any], body: bytes) -> dict[str, Any]:
+    """The scope of the same request with another body (its content-length changed)."""
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+    return scope | {"headers": [*headers, (b"content-length", str(len(body)).encode())]}
+
+
 @serve.ingress(fleet_app)
 class FleetIngress:
     """The ingress deployment: one replica of it (it does no model work) in front of the replicas."""
 
     async def __init__(  # type: ignore[misc]  # Ray Serve awaits an async constructor
-        self, replicas: DeploymentHandle[Any], config: ServerConfig, fleet: FleetConfig, model: str
+        self,
+        replicas: DeploymentHandle[Any],
+        config: ServerConfig,
+        fleet: FleetConfig,
+        model: str,
+        prefill: DeploymentHandle[Any] | None = None,
     ) -> None:
         self.replicas = replicas.options(stream=True)
+        self.prefill = prefill.options(stream=True) if prefill is not None else None
         use_serve_logging()
         self.config, self.fleet = config, fleet
         self.stats = FleetMetrics.for_model(model)
@@ -85,13 +101,20 @@ class FleetIngress:
         if not self.fleet.prefix_router:
             message = "in fleet mode the admin API needs the prefix-aware router (not --fleet-router ray-default)."
             return JSONResponse(error_body(501, message, "not_supported"), status_code=501)
-        return await fan_out(self.replicas.handle, await self._replica_ids(), _forwarded(request_scope), body)
+        # Every replica has its own model pool, prefill replicas too (they must serve the same models).
+        targets = [(self.replicas.handle, r) for r in await self._replica_ids(("both", "decode"))]
+        if self.prefill is not None:
+            targets += [(self.prefill.handle, r) for r in await self._replica_ids(("prefill",))]
+        return await fan_out(targets, _forwarded(request_scope), body)
 
-    async def _replica_ids(self) -> list[str]:
-        """The replicas the router knows (it learns them from Ray Serve a moment after the ingress starts)."""
+    async def _replica_ids(self, roles: tuple[str, ...]) -> list[str]:
+        """The replicas of these roles the routers know (they learn them from Ray Serve a moment after
+        the ingress starts)."""
         deadline = asyncio.get_running_loop().time() + _ROUTER_WAIT_S
         while True:
-            ids = sorted({name for source in self.stats.stats_sources for name in source()})
+            ids = sorted(
+                {name for source in self.stats.stats_sources for name, s in source().items() if s[ROLE] in roles}
+            )
             if ids or asyncio.get_running_loop().time() > deadline:
                 return ids
             await asyncio.sleep(0.2)
@@ -101,6 +124,8 @@ class FleetIngress:
         salt = authorization(scope["headers"]) if self.config.prefix_cache_isolation == "per-key" else None
         hints = hints_from_body(scope["path"], body, salt)
         routing = asdict(hints) if hints is not None else None
+        if self.prefill is not None:
+            await self._prefill_first(scope, body, hints)
         failure = "no replica answered"
         for attempt in range(1, self.fleet.max_attempts + 1):
             stream = cast(DeploymentResponseGenerator[Any], self.replicas.handle.remote(scope, body, routing=routing))
@@ -118,6 +143,36 @@ class FleetIngress:
                 logger.warning("%s %s: %s; sending it to another replica", scope["method"], scope["path"], failure)
         message = f"the request could not be served: {failure} ({self.fleet.max_attempts} tries); retry later."
         return JSONResponse(error_body(503, message, "replica_unavailable"), status_code=503)
+
+    async def _prefill_first(self, scope: dict[str, Any], body: bytes, hints: RoutingHints | None) -> None:
+        """Have a prefill replica compute the prompt (and save its blocks) when it is long enough."""
+        assert self.prefill is not None
+        prefill = prefill_body(scope["path"], body)
+        if (
+            hints is None
+            or prefill is None
+            or not takes_prefill_hop(scope["path"], hints.prompt_tokens, self.fleet.pd_min_prompt_tokens)
+        ):
+            self.stats.prefill_hops.labels(self.stats.model_name, "skipped").inc()
+            return
+        routing = asdict(replace(hints, load_tokens=hints.prompt_tokens + 1))
+        stream = cast(
+            DeploymentResponseGenerator[Any],
+            self.prefill.handle.remote(_with_body(scope, prefill), prefill, routing=routing),
+        )
+        try:
+            status, answer = await collect(stream)
+        except RayActorError as exc:
+            status, answer = 503, f"the prefill replica failed ({type(exc).__name__})".encode()
+        finally:
+            stream.cancel()  # type: ignore[no-untyped-call]  # a no-op once it has ended
+        if status == 200:
+            self.stats.prefill_hops.labels(self.stats.model_name, "prefilled").inc()
+            return
+        # The decode replica answers anyway: it computes the prompt, or gives the same error for bad input.
+        self.stats.prefill_hops.labels(self.stats.model_name, "failed").inc()
+        log = logger.warning if status >= 500 else logger.debug
+        log("the prefill hop of %s answered %d (%s); decoding without it", scope["path"], status, answer[:200])
 
     async def _watch_replicas(self, deployment: str) -> None:
         """Log every change of the replica count and keep tokenmill:fleet_replicas up to date."""

@@ -36,6 +36,13 @@ class FleetMetrics:
             ["model_name"],
             registry=self.registry,
         )
+        self.prefill_hops = Counter(
+            "tokenmill:router_prefill_hops_total",
+            "Requests of a disaggregated fleet by their prefill hop: prefilled (a prefill replica computed the "
+            "prompt), failed (the decode replica computed it), skipped (short prompt, or not completions/chat).",
+            ["model_name", "outcome"],
+            registry=self.registry,
+        )
         self.replica_load = Gauge(
             "tokenmill:router_replica_load_tokens",
             "Queued and running tokens (prompt + max_tokens) per replica, as the router counts them.",

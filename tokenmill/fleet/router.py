@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from tokenmill.fleet.metrics import FleetMetrics
-from tokenmill.fleet.routing import PIN_REPLICA, Decision, PrefixAffinityPolicy, RoutingHints
+from tokenmill.fleet.routing import PIN_REPLICA, ROLE, Decision, PrefixAffinityPolicy, RoutingHints
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,8 @@ class LLMRequestRouter(RequestRouter):
     queue_len_response_deadline_s = 1.0
     max_queue_len_response_deadline_s = 2.0
 
-    def initialize_state(self, slack_tokens: int = 4096, model_name: str = "", **_: Any) -> None:
+    def initialize_state(self, slack_tokens: int = 4096, model_name: str = "", role: str = "both", **_: Any) -> None:
+        self.role = role  # the kv_role of this deployment's replicas
         self.policy = PrefixAffinityPolicy(slack_tokens)
         self.metrics = FleetMetrics.for_model(model_name)
         self._decisions: dict[str, Decision] = {}  # internal request id -> the policy's choice
@@ -73,8 +75,8 @@ class LLMRequestRouter(RequestRouter):
         self.metrics.replica_load.labels(self.metrics.model_name, replica).set(self.policy.load(replica, {}))
 
     def replica_stats(self) -> dict[str, dict[str, Any]]:
-        """Each live replica's last routing stats (its load and metrics text)."""
-        return {r.replica_id.unique_id: dict(r.routing_stats) for r in self._replicas.values()}
+        """Each live replica's last routing stats (its load and metrics text) and its role."""
+        return _stats(self._replicas.values(), self.role)
 
     def _forget_gone_replicas(self) -> None:
         live = {r.unique_id for r in self._replicas}
@@ -118,9 +120,14 @@ class StatsPowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
     """Ray Serve's default router, unchanged, plus the replicas' stats for the fleet's /metrics: what
     `--fleet-router ray-default` runs, so that both routers can be measured the same way."""
 
-    def initialize_state(self, model_name: str = "", **_: Any) -> None:
+    def initialize_state(self, model_name: str = "", role: str = "both", **_: Any) -> None:
+        self.role = role
         self.stats_metrics = FleetMetrics.for_model(model_name)
         self.stats_metrics.stats_sources.append(self.replica_stats)
 
     def replica_stats(self) -> dict[str, dict[str, Any]]:
-        return {r.replica_id.unique_id: dict(r.routing_stats) for r in self._replicas.values()}
+        return _stats(self._replicas.values(), self.role)
+
+
+def _stats(replicas: Iterable[RunningReplica], role: str) -> dict[str, dict[str, Any]]:
+    return {r.replica_id.unique_id: {**r.routing_stats, ROLE: role} for r in replicas}

@@ -27,6 +27,7 @@ CHARS_PER_TOKEN = 4  # a rough estimate: the router never tokenizes
 # A request's routing hints may name one replica instead (the admin calls sent to every replica): it
 # goes there and nowhere else.
 PIN_REPLICA = "replica"
+ROLE = "role"  # in the stats the routers keep of each replica: its kv_role (both, prefill or decode)
 DEFAULT_MAX_TOKENS = 256  # load counted for a request that gives no max_tokens
 
 
@@ -36,6 +37,7 @@ class RoutingHints:
 
     prefix_keys: tuple[str, ...]
     load_tokens: int
+    prompt_tokens: int = 0  # estimated (of the first prompt of a batch)
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ def hints_from_body(path: str, body: bytes, salt_extra: str | None = None) -> Ro
     if not isinstance(max_tokens, int) or not isinstance(n, int):
         return None
     load = max(n, 1) * (prompt_tokens + max(max_tokens, 0))
-    return RoutingHints(prefix_keys(text, salt if isinstance(salt, str) else None), load)
+    return RoutingHints(prefix_keys(text, salt if isinstance(salt, str) else None), load, prompt_tokens)
 
 
 def _prompt(request: dict[str, Any], chat: bool) -> tuple[str, int] | None:
