@@ -14,7 +14,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine import detokenizer
+from tokenmill.engine.detokenizer import IncrementalDetokenizer, decoder_of
 
 # No emoji or CJK here: the tokenizers learn no merges for them, so those split into byte tokens.
 CORPUS = [
@@ -257,15 +258,15 @@ def test_invalid_bytes_are_released_with_bounded_windows(
     lone_continuation_byte = byte_level.convert_tokens_to_ids("Ģ")  # byte 0x80 in GPT-2's byte alphabet
     ids = [lone_continuation_byte] * 50 + byte_level.encode("ok") * 50
     window_lengths: list[int] = []
-    original_decode = byte_level.decode
+    original_decode = decoder_of(byte_level)
 
-    def recording_decode(token_ids: list[int], **kwargs: bool) -> str | list[str]:
+    def recording_decode(token_ids: list[int], skip: bool) -> str:
         window_lengths.append(len(token_ids))
-        return original_decode(token_ids, **kwargs)
+        return original_decode(token_ids, skip)
 
     expected = decode(byte_level, ids)
     assert expected == "\ufffd" * 50 + "ok" * 50
-    monkeypatch.setattr(byte_level, "decode", recording_decode)
+    monkeypatch.setattr(detokenizer, "decoder_of", lambda _: recording_decode)
     detok, deltas = stream(byte_level, ids)
     assert "".join(deltas) == detok.output_text == expected
     assert max(window_lengths) <= 16
@@ -281,3 +282,26 @@ def test_update_after_stop_is_an_error(byte_level: PreTrainedTokenizerFast) -> N
 def test_empty_stop_string_is_rejected(byte_level: PreTrainedTokenizerFast) -> None:
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(byte_level, [], True, ["", "x"], False)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_direct_decoder_equals_the_tokenizers_decode(
+    byte_level: PreTrainedTokenizerFast, metaspace: PreTrainedTokenizerFast, skip: bool
+) -> None:
+    rng = random.Random(5)
+    for tokenizer in (byte_level, metaspace):
+        decode = decoder_of(tokenizer)
+        for _ in range(50):
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 12))]
+            assert decode(ids, skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode() -> None:
+    wordpiece = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, ",": 2}, unk_token="[UNK]")),
+        clean_up_tokenization_spaces=True,
+    )
+    wordpiece.backend_tokenizer.decoder = decoders.WordPiece(cleanup=False)
+    # The clean-up removes the space before the comma; the Rust decode alone keeps it.
+    assert wordpiece.decode([1, 2]) == "a," != wordpiece.backend_tokenizer.decode([1, 2])
+    assert decoder_of(wordpiece)([1, 2], False) == "a,"

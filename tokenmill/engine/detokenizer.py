@@ -11,8 +11,9 @@ until a later token completes it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -23,6 +24,27 @@ _PROMPT_CONTEXT_TOKENS = 5
 # bytes: they are released as they decode, which keeps every step's window this short.
 _MAX_HELD_TOKENS = 8
 _REPLACEMENT_CHAR = "\ufffd"
+
+
+def decoder_of(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int], bool], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=skip)` as a function of (ids, skip). For a fast
+    tokenizer whose decode is the Rust tokenizer's alone, that one is called directly: transformers'
+    Python wrapper around it costs several times the decode itself, twice per generated token. Where
+    the wrapper does more (a class of its own, spaces cleaned up as for WordPiece), it stays."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend: Any = getattr(tokenizer, "_tokenizer", None)
+    if getattr(type(tokenizer), "_decode", None) is not PreTrainedTokenizerFast._decode:
+        backend = None  # not a fast tokenizer, or one with a decode of its own
+    cleans_up = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+    if cleans_up and backend is not None and type(backend.model).__name__ == "BPE":
+        # transformers skips the clean-up for BPE models unless told to corrupt their output
+        cleans_up = bool(
+            getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+        )
+    if backend is None or cleans_up or not hasattr(backend, "decode"):
+        return lambda ids, skip: cast(str, tokenizer.decode(ids, skip_special_tokens=skip))
+    return lambda ids, skip: cast(str, backend.decode(ids, skip_special_tokens=skip))
 
 
 @lru_cache(maxsize=1024)
@@ -65,7 +87,7 @@ class IncrementalDetokenizer:
     ) -> None:
         if any(not s for s in stop):
             raise ValueError(f"Stop strings must be non-empty; remove '' from stop={stop!r}.")
-        self._tokenizer = tokenizer
+        self._decode_ids = decoder_of(tokenizer)
         self._skip_special_tokens = skip_special_tokens
         self._stop = list(stop)
         self._failure = [_stop_failure(s) for s in self._stop]
@@ -124,8 +146,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, token_ids: list[int]) -> str:
-        # A flat list of ids decodes to one string (decode() is typed for batches too).
-        return cast(str, self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens))
+        return self._decode_ids(token_ids, self._skip_special_tokens)
 
     def _release(self, window_text: str) -> str | None:
         """Moves the window past the held tokens and appends their text; returns a matched stop."""

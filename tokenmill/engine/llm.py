@@ -227,17 +227,17 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(prepared), desc="generate", unit="req", disable=not use_tqdm)
         start, num_out = time.perf_counter(), 0
-        for result in self._iterate(prepared):
-            num_out += sum(len(o.token_ids) for o in result.outputs) if result.finished else 0
-            if result.finished:
-                finished[result.request_id] = result
-                bar.update(1)
-                bar.set_postfix(out_tok_s=f"{num_out / max(time.perf_counter() - start, 1e-9):.1f}", refresh=False)
+        for result in self._iterate(prepared, only_finished=True):
+            num_out += sum(len(o.token_ids) for o in result.outputs)
+            finished[result.request_id] = result
+            bar.update(1)
+            bar.set_postfix(out_tok_s=f"{num_out / max(time.perf_counter() - start, 1e-9):.1f}", refresh=False)
         bar.close()
         return [finished[req.request_id] for req in prepared]
 
-    def _iterate(self, prepared: list[PreparedRequest]) -> Iterator[RequestOutput]:
-        """Queue the requests, then step the engine until all have finished, yielding each update."""
+    def _iterate(self, prepared: list[PreparedRequest], only_finished: bool = False) -> Iterator[RequestOutput]:
+        """Queue the requests, then step the engine until all have finished, yielding each update
+        (`only_finished`: each finished request's output alone, built once)."""
         if not self._finalizer.alive:
             raise RuntimeError("this LLM was shut down: create a new one.")
         processor = OutputProcessor(self.tokenizer)
@@ -257,7 +257,7 @@ class LLM:
         remaining = len(prepared)
         try:
             while remaining:
-                results, to_stop = processor.process(self.engine.step())
+                results, to_stop = processor.process(self.engine.step(), only_finished)
                 for child_id in to_stop:
                     self.engine.abort_request(child_id, RequestStatus.FINISHED_STOPPED)
                 for result in results:

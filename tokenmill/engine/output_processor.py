@@ -100,8 +100,12 @@ class OutputProcessor:
             params.include_stop_str_in_output,
         )
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the RequestOutputs that changed, and child ids the core must stop (stop strings)."""
+    def process(
+        self, outputs: list[EngineCoreOutput], only_finished: bool = False
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the RequestOutputs that changed (`only_finished`: of the requests that finished: a
+        caller that does not stream need not pay for the others' every step), and child ids the core
+        must stop (stop strings)."""
         changed: dict[str, _RequestState] = {}
         to_stop: list[str] = []
         for out in outputs:
@@ -110,7 +114,7 @@ class OutputProcessor:
                 continue
             state = self.requests[parent[0]]
             seq = state.sequences[parent[1]]
-            if self._apply(state, seq, out):
+            if self._apply(state, seq, out, deltas=not only_finished):
                 to_stop.append(out.req_id)
             if seq.finish_reason is not None:
                 del self.child_to_parent[out.req_id]
@@ -118,7 +122,7 @@ class OutputProcessor:
             # first token comes: an output carries the prompt's logprobs whole or not at all.
             if out.new_token_ids or out.finish_reason is not None or out.error is not None:
                 changed[state.request_id] = state
-        results = [self._to_output(state) for state in changed.values()]
+        results = [self._to_output(state) for state in changed.values() if state.finished or not only_finished]
         for state in changed.values():
             for seq in state.sequences:
                 seq.delta_text = ""
@@ -126,8 +130,9 @@ class OutputProcessor:
                 del self.requests[state.request_id]
         return results, to_stop
 
-    def _apply(self, state: _RequestState, seq: _Sequence, out: EngineCoreOutput) -> bool:
-        """Fold one core output into a sequence; True when a stop string ended it."""
+    def _apply(self, state: _RequestState, seq: _Sequence, out: EngineCoreOutput, deltas: bool) -> bool:
+        """Fold one core output into a sequence; True when a stop string ended it. `deltas`: keep each
+        step's new text for streaming (else only a finished sequence's text is complete)."""
         # Child 0 alone computes the shared prompt's logprobs (InputProcessor._fan_out): they are every choice's.
         if out.new_prompt_logprobs and state.prompt_logprobs is not None and seq.index == 0:
             if out.new_prompt_logprobs[0] is None:  # a chunk from position 0: a recompute starts over
@@ -158,7 +163,7 @@ class OutputProcessor:
                 )
         if out.finish_reason is not None and seq.finish_reason is None:
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
-        if seq.detokenizer is not None:
+        if seq.detokenizer is not None and (deltas or seq.finish_reason is not None):
             # At the finish this also flushes tokens held back for an unfinished character.
             seq.delta_text = seq.detokenizer.get_next_delta(final=seq.finish_reason is not None)
         return stopped_by_string

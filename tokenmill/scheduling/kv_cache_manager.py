@@ -139,6 +139,13 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total_tokens = num_computed + num_new_tokens
         num_new_blocks = self.blocks_needed(total_tokens + num_lookahead_tokens) - len(blocks) - len(computed_blocks)
+        if (
+            num_new_blocks <= 0
+            and not computed_blocks
+            and not self.window_groups
+            and not self._fills_blocks(request, total_tokens)
+        ):
+            return []  # most decode steps: the token goes into the last block and does not fill it
         # Cache hits sitting in the free queue are taken out of it, so they count against the budget.
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if max(num_new_blocks, 0) + num_evictable_hits > self.pool.num_free_blocks or (
@@ -178,6 +185,12 @@ class KVCacheManager:
             if self.enable_prefix_caching:
                 group.cache_full_blocks(request.req_id, hashes, num_tokens)
         self.new_group_block_ids = new_ids
+
+    def _fills_blocks(self, request: Request, num_tokens: int) -> bool:
+        """Whether a step up to `num_tokens` fills a block that is not indexed yet."""
+        if not self.enable_prefix_caching:
+            return False
+        return num_tokens // self.block_size > self.req_num_indexed.get(request.req_id, 0)
 
     def _cache_full_blocks(self, request: Request, blocks: list[Block], num_tokens: int) -> None:
         """Index the blocks that this step fills completely (their KV is written during the step)."""
