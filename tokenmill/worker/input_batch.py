@@ -11,6 +11,8 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.lora_request import LoRARequest
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.block_table import BlockTables
+from tokenmill.worker.staging import Staging
 
 _SEED_STRIDE = 1_000_003
 
@@ -73,25 +75,30 @@ def build_step_batch(
     device: torch.device,
     drafts: list[list[int]] | None = None,
     pooling: bool = False,
+    tables: BlockTables | None = None,
 ) -> StepBatch:
     """Flatten the scheduled tokens of every request into one batch. `drafts[i]`: the draft tokens request
     i verifies, scheduled after its committed tokens (None: no drafts this step). `pooling`: some request
-    pools (it never samples, so the decode batch, where every row samples, cannot hold it)."""
+    pools (it never samples, so the decode batch, where every row samples, cannot hold it). `tables`: the
+    runner's block tables, holding every state's row (None: made from the states' block ids)."""
+    if tables is None:
+        tables = BlockTables.of(device, [(s.req_id, s.block_ids) for s in states])
     if drafts is not None or pooling:
-        return _mixed_batch(states, num_scheduled, block_size, device, drafts)
+        return _mixed_batch(states, num_scheduled, block_size, tables, drafts)
     if all(n == 1 for n in num_scheduled) and all(s.num_computed_tokens + 1 == len(s.token_ids) for s in states):
-        return _decode_batch(states, block_size, device)
-    return _mixed_batch(states, num_scheduled, block_size, device)
+        return _decode_batch(states, block_size, tables)
+    return _mixed_batch(states, num_scheduled, block_size, tables)
 
 
 def _mixed_batch(
     states: list[RunnerRequestState],
     num_scheduled: list[int],
     block_size: int,
-    device: torch.device,
+    tables: BlockTables,
     drafts: list[list[int]] | None = None,
 ) -> StepBatch:
     """Any step, prompt chunks included: numpy on the host, one copy per tensor."""
+    stage = tables.staging.to_device
     num_reqs = len(states)
     query_lens = np.asarray(num_scheduled, dtype=np.int64)
     qsl = np.zeros(num_reqs + 1, dtype=np.int64)
@@ -104,15 +111,13 @@ def _mixed_batch(
     req_of_token = np.repeat(np.arange(num_reqs), query_lens)  # [num_tokens]
     positions = computed[req_of_token] + (np.arange(num_tokens) - qsl[:-1][req_of_token])
 
-    max_blocks = max(len(s.block_ids) for s in states)
-    block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
+    block_tables = tables.host([s.req_id for s in states])  # [num_reqs, max blocks]
     input_ids = np.empty(num_tokens, dtype=np.int64)
     sample_req_ids: list[str] = []
     logits_indices: list[int] = []
     sample_drafts: list[list[int]] = []
     prompt_rows: dict[str, tuple[int, int, int]] = {}
     for i, state in enumerate(states):
-        block_tables[i, : len(state.block_ids)] = state.block_ids
         start, end = int(computed[i]), int(seq_lens[i])
         draft = drafts[i] if drafts is not None else []
         tokens = state.token_ids + draft if draft else state.token_ids
@@ -130,56 +135,57 @@ def _mixed_batch(
     slots = block_tables[req_of_token, positions // block_size].astype(np.int64) * block_size
     slots += positions % block_size
     meta = AttentionMetadata(
-        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-        block_tables=torch.from_numpy(block_tables).to(device),
-        slot_mapping=torch.from_numpy(slots).to(device),
+        query_start_loc=stage(qsl.astype(np.int32)),
+        seq_lens=stage(seq_lens.astype(np.int32)),
+        block_tables=stage(block_tables),
+        slot_mapping=stage(slots),
         query_start_loc_cpu=qsl.tolist(),
         seq_lens_cpu=seq_lens.tolist(),
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
     )
     if states[0].group_block_ids:
-        add_group_metadata(meta, states, positions, req_of_token, block_size, device)
+        add_group_metadata(meta, states, positions, req_of_token, block_size, tables.staging)
     return StepBatch(
         req_ids=[s.req_id for s in states],
-        input_ids=torch.from_numpy(input_ids).to(device),
-        positions=torch.from_numpy(positions).to(device),
+        input_ids=stage(input_ids),
+        positions=stage(positions),
         attn_metadata=meta,
         sample_req_ids=sample_req_ids,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        logits_indices=stage(np.asarray(logits_indices, dtype=np.int64)),
         prompt_logprob_rows=prompt_rows,
         draft_token_ids=sample_drafts if drafts is not None else None,
     )
 
 
-def _decode_batch(states: list[RunnerRequestState], block_size: int, device: torch.device) -> StepBatch:
+def _decode_batch(states: list[RunnerRequestState], block_size: int, tables: BlockTables) -> StepBatch:
     """The common step: every request feeds its last token and samples the next. Plain lists and one
-    tensor each: at decode batch sizes, numpy's per-call cost is most of building the batch."""
+    tensor each (the block table gathered whole): at decode batch sizes, numpy's per-call cost is most
+    of building the small ones."""
+    stage, device = tables.staging.to_device, tables.device
     positions = [s.num_computed_tokens for s in states]
     slots = [s.block_ids[p // block_size] * block_size + p % block_size for s, p in zip(states, positions)]
-    width = max(len(s.block_ids) for s in states)
     seq_lens = [p + 1 for p in positions]
     n = len(states)
     meta = AttentionMetadata(
         query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(
-            [s.block_ids + [0] * (width - len(s.block_ids)) for s in states], dtype=torch.int32, device=device
-        ),  # [n, width]
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        seq_lens=stage(np.asarray(seq_lens, dtype=np.int32)),
+        block_tables=stage(tables.host([s.req_id for s in states])),  # [n, width]
+        slot_mapping=stage(np.asarray(slots, dtype=np.int64)),
         query_start_loc_cpu=list(range(n + 1)),
         seq_lens_cpu=seq_lens,
         max_query_len=1,
         max_seq_len=max(seq_lens),
     )
     if states[0].group_block_ids:
-        add_group_metadata(meta, states, np.asarray(positions, dtype=np.int64), np.arange(n), block_size, device)
+        add_group_metadata(
+            meta, states, np.asarray(positions, dtype=np.int64), np.arange(n), block_size, tables.staging
+        )
     req_ids = [s.req_id for s in states]
     return StepBatch(
         req_ids=req_ids,
-        input_ids=torch.tensor([s.token_ids[-1] for s in states], dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        input_ids=stage(np.asarray([s.token_ids[-1] for s in states], dtype=np.int64)),
+        positions=stage(np.asarray(positions, dtype=np.int64)),
         attn_metadata=meta,
         sample_req_ids=req_ids,
         logits_indices=torch.arange(n, device=device),
@@ -192,7 +198,7 @@ def add_group_metadata(
     positions: np.ndarray,  # [num_tokens] int64
     req_of_token: np.ndarray,  # [num_tokens]: each token's request (its row in states)
     block_size: int,
-    device: torch.device,
+    staging: Staging,
 ) -> None:
     """The metadata of KV layer groups 1, 2, ...: this batch over each group's block tables and slots."""
     for g in range(len(states[0].group_block_ids)):
@@ -203,8 +209,8 @@ def add_group_metadata(
         meta.group_metadata.append(
             replace(
                 meta,
-                block_tables=torch.from_numpy(tables).to(device),
-                slot_mapping=torch.from_numpy(slots).to(device),
+                block_tables=staging.to_device(tables),
+                slot_mapping=staging.to_device(slots),
                 group_metadata=[],
             )
         )

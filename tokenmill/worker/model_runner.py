@@ -28,6 +28,7 @@ from tokenmill.spec_decode.draft_model import DraftLM, DraftModelProposer
 from tokenmill.spec_decode.proposer import NgramLookup, Proposer
 from tokenmill.structured.compiler import GrammarCompiler
 from tokenmill.structured.manager import StructuredOutputManager
+from tokenmill.worker.block_table import BlockTables
 from tokenmill.worker.cuda_graph import CudaGraphRunner
 from tokenmill.worker.draft_loader import load_draft_model
 from tokenmill.worker.input_batch import RunnerRequestState, StepBatch, build_step_batch
@@ -37,6 +38,7 @@ from tokenmill.worker.model_loader import load_model
 from tokenmill.worker.pipeline_step import run_pipeline_step
 from tokenmill.worker.pooler import pool_step
 from tokenmill.worker.spec_verify import accepted_tokens, verify_metadata
+from tokenmill.worker.staging import Staging
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,8 @@ class ModelRunner:
         self._meta: SamplingMetadata | None = None
         self._meta_states: list[RunnerRequestState] = []
         self.states: dict[str, RunnerRequestState] = {}
+        # The states' block tables and the step's host-to-device staging, kept from step to step.
+        self.block_tables = BlockTables(Staging(self.device))
         self.pooling_ids: set[str] = set()  # the pooling requests among the states
         # A *ForSequenceClassification model's head, for pooling requests that classify.
         self.classifier_head = getattr(module, "score", None)
@@ -284,6 +288,7 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> list[RunnerRequestState]:
         for req_id in sched.finished_req_ids:
             self.states.pop(req_id, None)
+            self.block_tables.remove(req_id)
             self.pooling_ids.discard(req_id)
             self.structured.remove_request(req_id)
             if self.proposer is not None:
@@ -304,11 +309,13 @@ class ModelRunner:
                 pooling_params=new.pooling_params,
                 lora_request=new.lora_request,
             )
+            self.block_tables.add(new.req_id, new.block_ids)
             if new.pooling_params is not None:
                 self.pooling_ids.add(new.req_id)
         for cached in sched.cached_requests:
             state = self.states[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
+            self.block_tables.extend(cached.req_id, cached.new_block_ids)
             if cached.new_group_block_ids:  # window layers' KV groups (tokenmill/kv_groups.py)
                 for ids, new_ids in zip(state.group_block_ids, cached.new_group_block_ids):
                     ids.extend(new_ids)
@@ -323,6 +330,7 @@ class ModelRunner:
         states = self._update_states(sched)
         if not states:
             return ModelRunnerOutput(sampled_token_ids={})
+        self.block_tables.staging.begin_step()
         if self.loras is not None and any(s.lora_request is not None for s in states):
             states.sort(key=_adapter_id)  # each adapter's rows one run (models/layers/lora.py)
         num_scheduled = [sched.num_scheduled_tokens[s.req_id] for s in states]
@@ -330,11 +338,13 @@ class ModelRunner:
         drafts = [spec.get(s.req_id, []) for s in states] if spec else None
         pooling = bool(self.pooling_ids) and not self.pooling_ids.isdisjoint(sched.num_scheduled_tokens)
         if pp_world_size() > 1:  # this rank runs one stage's layers (worker/pipeline_step.py)
-            model, size, device = self.model, self.block_size, self.device
-            output = run_pipeline_step(model, states, num_scheduled, size, device, pooling, self.outputs)
+            model, size, tables = self.model, self.block_size, self.block_tables
+            output = run_pipeline_step(model, states, num_scheduled, size, tables, pooling, self.outputs)
             self._advance(states, num_scheduled, spec, output)
             return output
-        batch = build_step_batch(states, num_scheduled, self.block_size, self.device, drafts, pooling)
+        batch = build_step_batch(
+            states, num_scheduled, self.block_size, self.device, drafts, pooling, self.block_tables
+        )
         if self.loras is None:
             return self._run(batch, states, num_scheduled, spec, pooling)
         adapted = self.loras.begin_step([s.lora_request for s in states], num_scheduled)

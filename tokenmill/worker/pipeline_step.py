@@ -20,6 +20,7 @@ import torch
 from tokenmill.distributed.communication import broadcast_from_last_stage, recv_from_prev_stage, send_to_next_stage
 from tokenmill.distributed.parallel_state import get_pp_stage
 from tokenmill.outputs import ModelRunnerOutput
+from tokenmill.worker.block_table import BlockTables
 from tokenmill.worker.input_batch import RunnerRequestState, StepBatch, build_step_batch
 
 Outputs = Callable[[torch.Tensor, StepBatch, list[RunnerRequestState], bool], ModelRunnerOutput]
@@ -57,19 +58,21 @@ def run_pipeline_step(
     states: list[RunnerRequestState],
     num_scheduled: list[int],
     block_size: int,
-    device: torch.device,
+    tables: BlockTables,
     pooling: bool,
     outputs: Outputs,
 ) -> ModelRunnerOutput:
-    """This stage's part of the step; the last stage's output, on every rank."""
+    """This stage's part of the step; the last stage's output, on every rank. `tables`: the runner's
+    block tables (every state's row)."""
     stage = get_pp_stage()
+    device = tables.device
     dtype = model.embed_tokens.weight.dtype
     hidden_size = model.embed_tokens.weight.shape[1]
     merged = ModelRunnerOutput(sampled_token_ids={})
     batches = []
     for group in micro_batches(num_scheduled, stage.num_stages):
         part = [states[i] for i in group]
-        batch = build_step_batch(part, [num_scheduled[i] for i in group], block_size, device, None, pooling)
+        batch = build_step_batch(part, [num_scheduled[i] for i in group], block_size, device, None, pooling, tables)
         batches.append((batch, part))
     clock = time.perf_counter()
     for batch, part in batches:
