@@ -3,9 +3,11 @@ GPU's work (schedule, update, output processing) at 256 running requests with ~9
 
     .venv/bin/python bench/scripts/host_step.py --output-json bench/results/xeon-amx/host_step.json
 
-The stub executor samples one fixed token per request whose prompt is computed and allocates no KV cache,
-so every measured microsecond is host work: `EngineCore.step` (scheduler + update) and the front end's
-`OutputProcessor.process` (detokenize, stop checks, RequestOutputs), timed per decode-only step.
+The stub executor runs the real runner's host side of a step (its request states, the step's batch
+tensors and block tables, the sampling metadata) but no model: it samples one fixed token per request
+whose prompt is computed and allocates no KV cache, so every measured microsecond is host work:
+`EngineCore.step` (scheduler, runner inputs, update) and the front end's `OutputProcessor.process`
+(detokenize, stop checks, RequestOutputs), timed per decode-only step.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduling.scheduler import Scheduler
+from tokenmill.worker.input_batch import build_step_batch
 
 
 class StubExecutor:
@@ -34,6 +37,7 @@ class StubExecutor:
         self.real = real
         self.driver = real.driver
         self.scheduler: Scheduler | None = None  # set once the engine core exists
+        self.input_times: list[float] = []
 
     @property
     def device(self) -> torch.device:
@@ -53,12 +57,25 @@ class StubExecutor:
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         assert self.scheduler is not None
-        requests = self.scheduler.requests
-        sampled = {
-            req_id: [1234]
-            for req_id, n in sched.num_scheduled_tokens.items()
-            if requests[req_id].num_computed_tokens + n >= requests[req_id].num_prompt_tokens
-        }
+        start = time.perf_counter()
+        runner = self.driver
+        states = runner._update_states(sched)
+        num_scheduled = [sched.num_scheduled_tokens[s.req_id] for s in states]
+        if states:
+            runner.block_tables.staging.begin_step()
+            build_step_batch(states, num_scheduled, runner.block_size, runner.device, tables=runner.block_tables)
+        sampled = {}
+        sampling = []
+        for state, n in zip(states, num_scheduled):
+            state.num_computed_tokens += n
+            if state.num_computed_tokens >= len(state.token_ids):
+                sampled[state.req_id] = [1234]
+                sampling.append(state)
+        if sampling:
+            runner._sampling_metadata(sampling)
+        for state in sampling:
+            state.token_ids.append(1234)
+        self.input_times.append(time.perf_counter() - start)
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
     def shutdown(self) -> None:
@@ -120,6 +137,8 @@ def main() -> None:
         out = real_step()
         shape = llm.engine.last_step
         full.append(shape.decode_rows == args.num_requests and shape.prefill_tokens == 0)
+        if len(stubs[-1].input_times) < len(full):  # a step that scheduled nothing never reached the runner
+            stubs[-1].input_times.append(0.0)
         return out
 
     llm.engine.step = step  # type: ignore[method-assign]
@@ -137,6 +156,7 @@ def main() -> None:
     wall = time.perf_counter() - start
     # Each engine step's outputs go through the processor once, so the i-th times belong together.
     core_ms = [t * 1e3 for t, keep in zip(step_times, full, strict=True) if keep]
+    inputs_ms = [t * 1e3 for t, keep in zip(stubs[-1].input_times, full, strict=True) if keep]
     front_ms = [t * 1e3 for t, keep in zip(process_times, full, strict=False) if keep]
     result = {
         "num_requests": args.num_requests,
@@ -145,6 +165,7 @@ def main() -> None:
         "steps": len(step_times),
         "decode_steps_measured": len(core_ms),
         "core_step_ms_median": statistics.median(core_ms),
+        "runner_inputs_ms_median": statistics.median(inputs_ms),  # within the core step
         "output_processing_ms_median": statistics.median(front_ms),
         "host_ms_per_step_median": statistics.median(c + f for c, f in zip(core_ms, front_ms, strict=True)),
         "wall_s": wall,
