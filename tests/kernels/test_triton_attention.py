@@ -6,11 +6,8 @@ compiled on the GPU, plus the GPU-only ones at the end (bf16, real model shapes,
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
-import os
-import sys
 from collections.abc import Iterator
 from types import ModuleType
 from typing import NamedTuple
@@ -18,6 +15,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from tests.kernels.triton_env import ON_GPU, interpreter_env, skip_unless_interpretable
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.torch_ref import TorchRefBackend
 from tokenmill.attention.torch_ref import write_kv as ref_write_kv
@@ -27,32 +25,13 @@ if importlib.util.find_spec("triton") is None:
         "triton is not installed: `pip install -e '.[gpu]'` to run the Triton kernel tests", allow_module_level=True
     )
 
-ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
 
-@contextlib.contextmanager
-def _interpreter_env() -> Iterator[None]:
-    """TRITON_INTERPRET=1 while this file imports and runs kernels on CPU; the rest of the session never
-    sees it. Triton reads it when each @triton.jit function is defined (its own tl.zeros, tl.max... too)
-    and again on lazy imports during a launch, so both must happen inside."""
-    if ON_GPU:
-        yield
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        yield
-
-
 def _import_kernels() -> dict[str, ModuleType]:
-    if not ON_GPU and "triton" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
-        pytest.skip(
-            "triton was imported earlier in this process without TRITON_INTERPRET=1, so its kernels "
-            "cannot run on CPU; run this file alone or with TRITON_INTERPRET=1",
-            allow_module_level=True,
-        )
-    with _interpreter_env():
+    skip_unless_interpretable()
+    with interpreter_env():
         return {
             n: importlib.import_module(f"tokenmill.attention.triton.{n}")
             for n in ("kv_write", "prefill", "decode", "backend")
@@ -61,7 +40,7 @@ def _import_kernels() -> dict[str, ModuleType]:
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpret_during_tests() -> Iterator[None]:
-    with _interpreter_env():
+    with interpreter_env():
         yield
 
 

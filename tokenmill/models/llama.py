@@ -28,6 +28,7 @@ from tokenmill.models.layers.linear import (
 from tokenmill.models.layers.lora import LoRAHeads, LoRALinear
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from tokenmill.ops.triton_ops import triton_ops
 
 # checkpoint name piece -> (our fused parameter piece, shard id); the pieces of a fused layer in their row order
 STACKED_PARAMS: list[tuple[str, str, str | int]] = [
@@ -117,9 +118,7 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # Qwen3
-            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
-        q, k = apply_rotary(rotary, q, k)
+        q, k = self._norm_and_rotate(q, k, rotary)
         if self.kv_cache is None:
             raise RuntimeError("the KV cache was not bound to this attention layer")
         if self.kv_group:
@@ -139,6 +138,26 @@ class Attention(nn.Module):
             o_lora.apply(self.o_proj, out) if o_lora is not None else self.o_proj(out)
         )  # [num_tokens, hidden], partial
         return all_reduce_(out) if self.tensor_parallel else out
+
+    def _norm_and_rotate(
+        self,
+        q: torch.Tensor,  # [num_tokens, Hq, D]
+        k: torch.Tensor,  # [num_tokens, Hkv, D]
+        rotary: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q/k norms (Qwen3's per-head RMSNorms, or another model's own), then rotary."""
+        q_norm, k_norm = self.q_norm, self.k_norm
+        fused = triton_ops(q)
+        if fused is not None and isinstance(q_norm, RMSNorm) and isinstance(k_norm, RMSNorm):
+            # CUDA, Qwen3: the per-head norms and rotary in one kernel, in place
+            fused.qk_norm_rope_(q, k, rotary, q_norm.weight, k_norm.weight, q_norm.eps)
+            return q, k
+        if q_norm is not None and k_norm is not None:  # also Gemma's (1 + w) and OLMo 2's whole-projection norms
+            q, k = q_norm(q)[0], k_norm(k)[0]
+        if fused is None:
+            return apply_rotary(rotary, q, k)
+        fused.qk_norm_rope_(q, k, rotary, None, None, 0.0)
+        return q, k
 
 
 class MLP(nn.Module):

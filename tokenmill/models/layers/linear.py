@@ -17,6 +17,7 @@ from torch import nn
 
 from tokenmill.distributed.parallel_state import tp_rank, tp_world_size
 from tokenmill.ops.cpu_ops import cpu_ops
+from tokenmill.ops.triton_ops import triton_ops
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
@@ -139,6 +140,9 @@ class QKVLinear(MergedLinear):
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a [num_tokens, 2 * n] [gate | up] output: [num_tokens, n]."""
+    fused = triton_ops(gate_up)
+    if fused is not None and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+        return fused.silu_mul(gate_up)
     ops = cpu_ops(gate_up)
     if ops is not None:
         return ops.silu_and_mul(gate_up)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from tokenmill.ops.cpu_ops import cpu_ops
+from tokenmill.ops.triton_ops import triton_ops
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +26,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed, new residual): residual + x is both the next residual and the norm's input.
         With a residual, both x and residual may be updated in place (the caller owns them)."""
+        fused = triton_ops(x)
+        rows = x.dim() == 2 and x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
+        if fused is not None and rows:  # CUDA: one kernel, no float32 copies
+            if residual is None:
+                return fused.rms_norm(x, self.weight, self.eps), x
+            fused.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
         ops = cpu_ops(x) if residual is not None else None
         if ops is not None and residual is not None and x.is_contiguous() and residual.is_contiguous():
             ops.add_rms_norm_(x, residual, self.weight, self.eps)
