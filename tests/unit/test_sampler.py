@@ -30,6 +30,7 @@ def build(
     prompts: list[list[int]] | None = None,
     generators: list[torch.Generator | None] | None = None,
     vocab_size: int = VOCAB,
+    device: torch.device = CPU,
 ) -> SamplingMetadata:
     n = len(params)
     return SamplingMetadata.build(
@@ -39,7 +40,7 @@ def build(
         generators=generators or [None] * n,
         eos_token_ids=[EOS],
         vocab_size=vocab_size,
-        device=CPU,
+        device=device,
     )
 
 
@@ -50,7 +51,8 @@ def sample(
     generators: list[torch.Generator | None] | None = None,
     vocab_size: int = VOCAB,
 ) -> torch.Tensor:
-    meta = build(params, outputs=outputs, generators=generators, vocab_size=vocab_size)
+    """The sampled ids of `logits`, with the metadata on the logits' device."""
+    meta = build(params, outputs=outputs, generators=generators, vocab_size=vocab_size, device=logits.device)
     out: SamplerOutput = Sampler()(logits, meta)
     return out.sampled_token_ids
 

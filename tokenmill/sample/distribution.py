@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.sample.bitmask import TokenBitmask, apply_token_bitmask
-from tokenmill.sample.metadata import SamplingMetadata
+from tokenmill.sample.metadata import SamplingMetadata, to_device
 from tokenmill.sample.penalties import apply_logit_bias, apply_penalties, mask_tokens
 
 # Candidates per row for top-k / top-p: the nucleus of a sampled LLM's distribution is nearly always far
@@ -92,6 +92,24 @@ def row_uniforms(meta: SamplingMetadata, num_rows: int, device: torch.device) ->
     for row, generator in meta.generators.items():
         uniform[row] = torch.rand(1, dtype=torch.float64, generator=generator, device=device)[0]
     return uniform
+
+
+def row_seeds(meta: SamplingMetadata, num_rows: int, device: torch.device) -> torch.Tensor:
+    """One Philox key per row for the one-pass draw (sample/triton_sample.py), [num_rows] int64. A seeded
+    row's key is its generator's seed, which the runner sets from the request's seed and position
+    (RunnerRequestState.position_seed) before each step: its draw then depends on neither its row index
+    nor its neighbours. The other rows take fresh keys from torch's default generator."""
+    seeds = torch.empty(num_rows, dtype=torch.int64, device=device).random_()  # [num_rows], in [0, 2^63)
+    if meta.generators:
+        # A generator's seed is a uint64: the same 64 bits as an int64.
+        pairs = [[row, _as_int64(gen.initial_seed())] for row, gen in meta.generators.items()]
+        rows_and_seeds = to_device(pairs, torch.int64, device)  # [num_seeded, 2]
+        seeds.index_copy_(0, rows_and_seeds[:, 0], rows_and_seeds[:, 1])
+    return seeds
+
+
+def _as_int64(seed: int) -> int:
+    return seed - 2**64 if seed >= 2**63 else seed
 
 
 def _apply_top_k_top_p(

@@ -4,15 +4,17 @@ independent of the rest of the batch."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 from torch import nn
 
+from tokenmill.attention.triton import triton_unavailable_reason
 from tokenmill.ops.cpu_ops import cpu_ops
 from tokenmill.sample.bitmask import TokenBitmask
-from tokenmill.sample.distribution import adjust_logits, filtered_probs, inverse_cdf, row_uniforms
+from tokenmill.sample.distribution import adjust_logits, filtered_probs, inverse_cdf, row_seeds, row_uniforms
 from tokenmill.sample.logprobs import compute_topk_logprobs
 from tokenmill.sample.metadata import SamplingMetadata
 
@@ -58,14 +60,29 @@ class Sampler(nn.Module):
 def _read_only(logits: torch.Tensor, meta: SamplingMetadata) -> bool:
     """Whether sampling these float32 logits leaves them unchanged."""
     unadjusted = meta.no_logit_bias and meta.no_penalties and meta.no_min_tokens
-    return unadjusted and (meta.all_greedy or _cpu_draw(logits, meta) is not None)
+    one_pass = _cpu_draw(logits, meta) is not None or (_unfiltered(meta) and use_triton_draw(logits))
+    return unadjusted and (meta.all_greedy or one_pass)
+
+
+def _unfiltered(meta: SamplingMetadata) -> bool:
+    return meta.no_top_k and meta.no_top_p and meta.no_min_p
+
+
+def use_triton_draw(logits: torch.Tensor) -> bool:
+    """Whether the draw runs the Triton kernel (sample/triton_sample.py): on CUDA, where triton imports."""
+    return logits.is_cuda and _triton_available()
+
+
+@functools.cache
+def _triton_available() -> bool:
+    return triton_unavailable_reason() is None
 
 
 def _cpu_draw(logits: torch.Tensor, meta: SamplingMetadata) -> ModuleType | None:
     """The C++ ops when they can draw these rows (a plain temperature draw on CPU), else None."""
     # With no filter, filtered_probs is softmax(logits / temperature): the C++ draw is that softmax's
     # inverse CDF in one pass.
-    if not (meta.no_top_k and meta.no_top_p and meta.no_min_p and logits.is_contiguous()):
+    if not (_unfiltered(meta) and logits.is_contiguous()):
         return None
     return cpu_ops(logits)
 
@@ -81,12 +98,28 @@ def _pick(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 
 def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Draws one token per row from filtered_probs (the filtered softmax(logits / temperature)); the
-    torch path changes `logits`, the C++ draw does not. Inverse CDF with one uniform per row: a
-    vocab-wide noise row per step costs more than the rest of sampling."""
+    """Draws one token per row from filtered_probs (the filtered softmax(logits / temperature)). On CUDA
+    with triton, one pass per row in a kernel that makes its noise as it goes (_triton_draw); elsewhere
+    inverse CDF with one uniform per row: a vocab-wide noise row per step costs more than the rest of
+    sampling. The torch path and a filtered Triton draw change `logits`, the C++ draw and an unfiltered
+    Triton draw do not."""
+    if use_triton_draw(logits):
+        return _triton_draw(logits, meta)
     uniform = row_uniforms(meta, logits.shape[0], logits.device)  # [num_reqs] float64
     ops = _cpu_draw(logits, meta)
     if ops is not None:  # one pass per row in C++, no [num_reqs, vocab_size] temporaries
         sampled: torch.Tensor = ops.sample_rows(logits, meta.temperature, uniform)  # [num_reqs] int64
         return sampled
     return inverse_cdf(filtered_probs(logits, meta), uniform)
+
+
+def _triton_draw(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """[num_reqs] int64, keyed by row_seeds: no float64 cumulative sum, no loop over generators. With no
+    filter the kernel reads the logits and temperatures as they are; otherwise it races the filtered
+    probabilities."""
+    from tokenmill.sample import triton_sample  # imports triton: only once a draw needs it
+
+    seeds = row_seeds(meta, logits.shape[0], logits.device)  # [num_reqs] int64
+    if _unfiltered(meta):
+        return triton_sample.sample_logits(logits, meta.temperature, seeds)
+    return triton_sample.sample_probs(filtered_probs(logits, meta), seeds)
