@@ -174,3 +174,30 @@ def test_cuda_kv_cache_fits_the_utilization_share_of_the_gpu(llama_model: Path) 
     assert llm.engine.num_blocks > 1000
     assert torch.cuda.memory_allocated() <= 0.3 * total
     assert cache_bytes > 0.2 * total  # the tiny model leaves most of the share to the cache
+
+
+def test_warm_up_lengths_meet_every_prefill_tile_size() -> None:
+    from tokenmill.attention.triton.prefill import default_prefill_tiles
+    from tokenmill.worker.model_runner import warm_up_query_lens
+
+    for budget in (1, 7, 256, 2048):
+        lens = warm_up_query_lens(budget)
+        assert max(lens) == budget and all(1 <= n <= budget for n in lens)
+        for head_dim, group in ((64, 1), (128, 4), (256, 8)):
+            warmed = {default_prefill_tiles(head_dim, group, n) for n in lens}
+            every = {default_prefill_tiles(head_dim, group, n) for n in range(2, budget + 1)}
+            assert every <= warmed, (budget, head_dim, group)
+
+
+def test_warm_up_runs_a_step_per_length_and_leaves_the_engine_serving(llama_model: Path) -> None:
+    with LLM(str(llama_model), dtype="float32", num_kv_blocks=32, max_num_batched_tokens=64) as llm:
+        greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        before = llm.generate([[5, 6, 7, 8]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        steps: list[int] = []
+        runner = llm.engine.runner
+        model_forward = runner.model.forward
+        runner.model.forward = lambda ids, *a: (steps.append(ids.numel()), model_forward(ids, *a))[1]  # type: ignore[method-assign]
+        runner.warm_up()
+        assert steps == [1 + n for n in (2, 4, 8, 16, 32, 63)]  # a decode row + each length
+        runner.model.forward = model_forward  # type: ignore[method-assign]
+        assert llm.generate([[5, 6, 7, 8]], greedy, use_tqdm=False)[0].outputs[0].token_ids == before

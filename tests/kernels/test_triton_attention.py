@@ -170,6 +170,24 @@ def test_mixed_batch_of_prompt_chunks_and_decode_rows() -> None:
     assert_matches_reference(paged_batch([1, 9, 1, 18], [40, 7, 3, 0]), small_backend())
 
 
+def test_a_mixed_steps_leading_decode_rows_take_the_decode_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    decode = K["backend"].decode_attention
+
+    def recording(q: torch.Tensor, *args: object) -> None:
+        calls.append(q.shape[0])
+        decode(q, *args)
+
+    monkeypatch.setattr(K["backend"], "decode_attention", recording)
+    batch = paged_batch([1, 1, 1, 9, 1, 18], [40, 3, 17, 7, 3, 0])
+    assert batch.meta.num_leading_decodes == 3
+    assert_matches_reference(batch, small_backend(num_splits=2))
+    assert calls == [3]  # the decode row after the prompt chunk goes with the prompts
+    calls.clear()
+    assert_matches_reference(paged_batch([9, 1, 18], [7, 3, 0]), small_backend())
+    assert calls == []
+
+
 def test_prefill_with_uneven_gqa_group_and_head_dim() -> None:
     # 6 query heads on 2 KV heads (groups of 3 do not divide the 16-row tile), head_dim 24 (padded to 32).
     batch = paged_batch([5, 19], [0, 21], num_heads=6, num_kv_heads=2, head_dim=24)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import torch
-
 import numpy as np
 import pytest
+import torch
 
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.block_table import BlockTables
-from tokenmill.worker.staging import Staging
 from tokenmill.worker.input_batch import RunnerRequestState, _decode_batch, _mixed_batch, build_step_batch
+from tokenmill.worker.staging import Staging
 
 
 def decoding(context_lens: list[int], block_size: int) -> list[RunnerRequestState]:

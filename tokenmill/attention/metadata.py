@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -33,3 +34,20 @@ class AttentionMetadata:
     @property
     def is_all_decode(self) -> bool:
         return self.max_query_len == 1
+
+    @cached_property
+    def num_leading_decodes(self) -> int:
+        """Requests at the front of the batch with one query token each (the scheduler puts running
+        requests first): a mixed step's decode rows, which a backend may run with its decode kernel.
+        Counted once per step, on the host."""
+        qsl, n = self.query_start_loc_cpu, 0
+        while n < self.num_reqs and qsl[n + 1] - qsl[n] == 1:
+            n += 1
+        return n
+
+    @cached_property
+    def rest_query_start_loc(self) -> torch.Tensor:
+        """[num_reqs - num_leading_decodes + 1] int32: the other requests' query starts, counted from
+        their first row (made once per step, on the device)."""
+        d = self.num_leading_decodes
+        return self.query_start_loc[d:] - d

@@ -64,6 +64,17 @@ def _model_kv_bytes_per_block(config: EngineConfig, hf_config: Any) -> int:
     return per_token * config.cache.block_size
 
 
+def warm_up_query_lens(max_query_len: int) -> list[int]:
+    """Query lengths 2, 4, 8, ... up to max_query_len: steps with these lengths meet every size of
+    Triton prefill tile (attention/triton/prefill.py picks one per power of two of the query length
+    times the GQA group, from 16 rows to 128) and the prompt-sized element-wise and sampling launches."""
+    lens, n = [], 2
+    while n < max_query_len:
+        lens.append(n)
+        n *= 2
+    return [*lens, max(max_query_len, 1)]
+
+
 def _adapter_id(state: RunnerRequestState) -> int:
     return 0 if state.lora_request is None else state.lora_request.lora_int_id
 
@@ -214,9 +225,12 @@ class ModelRunner:
         return self.kv_tier
 
     def capture_cuda_graphs(self) -> None:
-        """Capture the decode CUDA graphs (worker/cuda_graph.py) once the KV cache is allocated: the
-        graphs read it where it is now. A no-op off CUDA, with enforce_eager, or with an attention
-        backend that cannot be graphed; every step then runs eagerly."""
+        """Once the KV cache is allocated, on CUDA: compile every kernel variant a step can need
+        (warm_up), then capture the decode CUDA graphs (worker/cuda_graph.py), which read the cache
+        where it is now. The graphs are skipped with enforce_eager or an attention backend that cannot
+        be graphed; every step then runs eagerly."""
+        if self.device.type == "cuda" and pp_world_size() == 1:  # stages run their own layers only
+            self.warm_up()
         if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.supports_cuda_graphs:
             return
         if pp_world_size() > 1:
@@ -240,6 +254,49 @@ class ModelRunner:
         stats = graphs.capture()  # logs the batch sizes, the seconds and the memory it took
         self.cuda_graphs = graphs
         self.cuda_graph_capture_s = stats.seconds
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One step per query length of warm_up_query_lens, each behind a decode row, on dummy tokens
+        (sampled with top-k and top-p): the Triton kernels compile for every tile size, decode and
+        sampling variant here, not inside the first requests' steps. Every token's k/v goes to block
+        0, which any request that gets it writes over before reading."""
+        if not self.kv_caches:
+            raise RuntimeError("allocate the KV cache before warming up: the steps write into it")
+        sched = self.config.scheduler
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+        budget = min(sched.max_num_batched_tokens, sched.max_model_len) - 1
+        for n in warm_up_query_lens(budget):
+            lens = [1, n]  # a decode row in front, as the scheduler orders a mixed step
+            states = [
+                RunnerRequestState(
+                    req_id=f"warm-up-{i}",
+                    num_prompt_tokens=max(n, 2),
+                    token_ids=[0] * max(n, 2),
+                    sampling_params=params,
+                    block_ids=[0] * -(-max(n, 2) // self.block_size),
+                    num_computed_tokens=max(n, 2) - length,
+                    group_block_ids=[[0] * -(-max(n, 2) // self.block_size)] * (self.kv_groups.num_groups - 1),
+                )
+                for i, length in enumerate(lens)
+            ]
+            batch = build_step_batch(states, lens, self.block_size, self.device)
+            hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)  # [n + 1, hidden]
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [2, vocab]
+            self.sampler(logits, self._dummy_sampling_metadata(params, states))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _dummy_sampling_metadata(self, params: SamplingParams, states: list[RunnerRequestState]) -> SamplingMetadata:
+        return SamplingMetadata.build(
+            params=[params] * len(states),
+            prompt_token_ids=[s.token_ids for s in states],
+            output_token_ids=[[] for _ in states],
+            generators=[None] * len(states),
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -269,16 +326,7 @@ class ModelRunner:
             batch = build_step_batch(states, lens, self.block_size, self.device)
             hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)  # [num_tokens, hidden]
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_seqs, vocab]
-            meta = SamplingMetadata.build(
-                params=[params] * num_seqs,
-                prompt_token_ids=[s.token_ids for s in states],
-                output_token_ids=[[] for _ in states],
-                generators=[None] * num_seqs,
-                eos_token_ids=self.eos_token_ids,
-                vocab_size=self.vocab_size,
-                device=self.device,
-            )
-            self.sampler(logits, meta)
+            self.sampler(logits, self._dummy_sampling_metadata(params, states))
         finally:
             for layer in self.model.layers:
                 layer.self_attn.kv_cache = None

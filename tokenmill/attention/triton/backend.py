@@ -1,9 +1,10 @@
 """`TritonBackend`: the AttentionBackend of Triton kernels, for CUDA devices.
 
-Per layer and step: one kernel writes the step's k/v into the paged cache, then either
-- all rows decode (max_query_len == 1): split-K decode, then the split reduce; or
-- anything else (prompts, prompt chunks after cached prefixes, mixed prefill + decode): one
-  variable-length prefill launch for the whole batch.
+Per layer and step: one kernel writes the step's k/v into the paged cache, then
+- the decode rows (all rows when max_query_len == 1; else the leading requests with one query token,
+  where the scheduler puts the running ones): split-K decode, then the split reduce;
+- the rest (prompts, prompt chunks after cached prefixes): one variable-length prefill launch. Decode
+  rows in prefill tiles would fill a tile of BLOCK_M rows with one GQA group's few.
 
 CUDA-graph safety of the decode path: it reads only device tensors and two host numbers,
 q.shape[0] and meta.max_seq_len (for the split count). A graph runner captures with
@@ -58,20 +59,20 @@ class TritonBackend:
         if sliding_window is not None or logit_softcap is not None:  # the kernels do neither
             return windowed_attention(q, kv_cache, meta, scale, sliding_window, logit_softcap)
         out = torch.empty_like(q)  # [num_tokens, Hq, D]
-        if meta.is_all_decode:
-            num_seqs = q.shape[0]
-            num_splits = self.num_splits or choose_num_splits(
-                num_seqs, kv_cache.shape[3], meta.max_seq_len, num_sms(q.device)
-            )
-            decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, out, scale, num_splits, self.decode_tiles)
-        else:
+        d = q.shape[0] if meta.is_all_decode else meta.num_leading_decodes  # decode rows: the first d
+        if d:
+            num_splits = self.num_splits or choose_num_splits(d, kv_cache.shape[3], meta.max_seq_len, num_sms(q.device))
+            tables, lens = meta.block_tables[:d], meta.seq_lens[:d]
+            decode_attention(q[:d], kv_cache, tables, lens, out[:d], scale, num_splits, self.decode_tiles)
+        if d < q.shape[0]:
+            qsl = meta.rest_query_start_loc if d else meta.query_start_loc
             prefill_attention(
-                q,
+                q[d:],
                 kv_cache,
-                meta.block_tables,
-                meta.seq_lens,
-                meta.query_start_loc,
-                out,
+                meta.block_tables[d:],
+                meta.seq_lens[d:],
+                qsl,
+                out[d:],
                 scale,
                 meta.max_query_len,
                 self.prefill_tiles,
