@@ -12,8 +12,8 @@ noisy machine hit them all; medians are quoted. Configurations:
   this way, so this is the baseline that isolates what splitting the layers costs;
 - tp2: two tensor-parallel ranks, each pinned to half the cores;
 - pp2: two pipeline stages, each pinned to half the cores, 17 + 7 layers (--pp-layer-partition 17,7:
-  the last stage also runs the 151,936 x 896 LM head, 9 layers' worth of weights); a step's requests go
-  through as two micro-batches;
+  the last stage also runs the 151,936 x 896 LM head, 9 layers' worth of weights); two steps in flight,
+  each with half the requests;
 - pp2-even: the same with 12 + 12 layers (the default split).
 Scaling efficiency = tok/s / (2 x pp1 tok/s). For pp2 each stage's busy and waiting seconds over the
 run (warm-up included) give its idle share."""

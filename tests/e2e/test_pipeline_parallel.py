@@ -1,5 +1,5 @@
 """Pipeline parallelism: the decoder layers split into stages over gloo processes give the same greedy
-tokens (and logprobs, to rounding) as one process, with chunked prefill, preemption, micro-batches,
+tokens (and logprobs, to rounding) as one process, with chunked prefill, preemption, steps in flight,
 an uneven layer partition, and tensor parallelism inside each stage; a killed stage ends its requests
 with an error instead of hanging. The reference is the same engine at pipeline_parallel_size 1."""
 
@@ -15,7 +15,6 @@ from tests.e2e.test_tensor_parallel import kill_rank_1_mid_run
 from tests.tiny_models import make_tiny_model, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.outputs import RequestOutput
-from tokenmill.worker.pipeline_step import micro_batches
 
 pytestmark = pytest.mark.timeout(240)  # a broken send or receive must fail the test, never hang CI
 
@@ -26,11 +25,22 @@ PROMPTS = random_prompts(6, 20, 70, seed=28)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=3)
 
 
+IN_FLIGHT: list[int] = []  # steps in flight at each launch of the last pipelined engine
+
+
 def _generate(folder: Path, **kwargs: Any) -> tuple[list[RequestOutput], int, int]:
     """(outputs, preemptions, rank 0's decoder layers) of one engine, shut down afterwards."""
     with LLM(str(folder), **kwargs) as llm:
+        engine, launch = llm.engine, llm.engine.executor.launch
+        IN_FLIGHT.clear()
+
+        def counted(sched: Any) -> None:
+            IN_FLIGHT.append(len(engine._in_flight))
+            launch(sched)
+
+        engine.executor.launch = counted  # type: ignore[method-assign]
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        return outputs, llm.engine.scheduler.stats.num_preemptions, len(llm.engine.runner.model.layers)
+        return outputs, engine.scheduler.stats.num_preemptions, len(engine.runner.model.layers)
 
 
 def _tokens(outputs: list[RequestOutput]) -> list[list[int]]:
@@ -56,6 +66,7 @@ def test_pp2_greedy_tokens_and_logprobs_equal_pp1_with_chunked_prefill_and_preem
     two, preemptions, first_stage_layers = _generate(family_model, pipeline_parallel_size=2, **TIGHT)
     assert first_stage_layers == 2  # of 4: the first stage holds half
     assert preemptions > 0  # the tight cache really preempted (and recomputed) requests
+    assert max(IN_FLIGHT) == 2  # a step was launched while another was in flight (virtual engines)
     assert _tokens(two) == _tokens(one)
     _assert_logprobs_close(two, one)
 
@@ -70,16 +81,6 @@ def test_an_uneven_partition_and_tp2_inside_each_stage_equal_pp1(tmp_path: Path)
     four_ranks, _, _ = _generate(folder, pipeline_parallel_size=2, tensor_parallel_size=2, **kwargs)
     assert _tokens(four_ranks) == _tokens(one)
     _assert_logprobs_close(four_ranks, one)
-
-
-def test_micro_batches_split_requests_by_tokens() -> None:
-    assert micro_batches([10, 10, 10, 10], 2) == [range(0, 2), range(2, 4)]
-    assert micro_batches([100, 1, 1, 1], 2) == [range(0, 1), range(1, 4)]
-    assert micro_batches([5], 4) == [range(0, 1)]  # one request: one micro-batch
-    assert micro_batches([1, 1, 1], 4) == [range(0, 1), range(1, 2), range(2, 3)]
-    for sizes in ([3, 9, 1, 7, 2], [1] * 9, [50, 2, 2, 50]):
-        groups = micro_batches(sizes, 3)
-        assert [i for g in groups for i in g] == list(range(len(sizes))) and all(groups)
 
 
 @pytest.mark.parametrize(

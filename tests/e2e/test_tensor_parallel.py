@@ -155,18 +155,20 @@ def kill_rank_1_mid_run(llm: LLM, prompts: list[list[int]]) -> list[RequestOutpu
     asserted to come back (no hang), one per prompt."""
     executor: Any = llm.engine.executor
     follower = executor.processes[0]
-    real_execute = llm.engine.runner.execute
+    # Rank 0 starts a step with execute, or with launch where pipeline stages keep steps in flight.
+    entry = "launch" if executor.pipeline_depth > 1 else "execute"
+    real_start = getattr(llm.engine.runner, entry)
     steps = 0
 
-    def execute_then_kill(sched: Any) -> Any:  # rank 0 enters its third step after rank 1 died
+    def start_then_kill(sched: Any) -> Any:  # rank 0 enters its third step after rank 1 died
         nonlocal steps
         steps += 1
         if steps == 3:
             os.kill(follower.pid, signal.SIGKILL)
             follower.join(10)
-        return real_execute(sched)
+        return real_start(sched)
 
-    llm.engine.runner.execute = execute_then_kill  # type: ignore[method-assign]
+    setattr(llm.engine.runner, entry, start_then_kill)
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
     outputs: list[RequestOutput] = []
     worker = threading.Thread(target=lambda: outputs.extend(llm.generate(prompts, params, use_tqdm=False)))

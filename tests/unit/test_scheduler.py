@@ -719,3 +719,53 @@ def test_a_sibling_of_an_aborted_leader_goes_ahead() -> None:
     scheduler.finish_request("s#0", RequestStatus.FINISHED_ABORTED)
     out, _ = step(scheduler, FakeRunner())
     assert out.num_scheduled_tokens == {"s#1": 10}
+
+
+# ---------------------------------------------------------------------------------------- steps in flight
+def pipelined_run(scheduler: Scheduler, runner: FakeRunner, depth: int, max_steps: int = 1000) -> int:
+    """The engine's pipelined loop (pipeline stages): up to `depth` steps launched before the oldest's
+    output is taken; the runner computes at launch, the scheduler learns at collect. Returns the most
+    steps that were in flight at once, and checks that those steps never share a request."""
+    in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
+    most = 0
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished() and not in_flight:
+            return most
+        while len(in_flight) < depth:
+            out = scheduler.schedule()
+            if out.is_empty:
+                scheduler.not_launched(out)
+                break
+            held = {r for launched, _ in in_flight for r in launched.num_scheduled_tokens}
+            assert held.isdisjoint(out.num_scheduled_tokens), "a request is in two steps at once"
+            scheduler.in_flight.update(out.num_scheduled_tokens)
+            in_flight.append((out, runner.execute(out)))
+        most = max(most, len(in_flight))
+        if in_flight:
+            out, result = in_flight.pop(0)
+            scheduler.in_flight.difference_update(out.num_scheduled_tokens)
+            scheduler.update_from_output(out, result)
+    raise AssertionError("the scheduler stopped making progress")
+
+
+@pytest.mark.parametrize("num_blocks", [64, 12])  # 12: preemptions, never of a request in flight
+def test_two_steps_in_flight_hold_disjoint_requests_and_lose_no_token(num_blocks: int) -> None:
+    scheduler = make_scheduler(num_blocks=num_blocks, max_num_batched_tokens=16)
+    requests = [make_request(str(i), prompt_len=6 + i, max_tokens=8) for i in range(6)]
+    for request in requests:
+        scheduler.add_request(request)
+    assert pipelined_run(scheduler, FakeRunner(), depth=2) == 2
+    assert (scheduler.stats.num_preemptions > 0) == (num_blocks == 12)
+    for request in requests:
+        assert request.output_token_ids == list(range(100, 108))
+        assert request.status == RequestStatus.FINISHED_LENGTH
+    assert_no_block_leaked(scheduler)
+
+
+def test_a_request_in_flight_is_neither_scheduled_nor_preempted() -> None:
+    scheduler, runner, (a, b, c) = _three_requests_outgrowing_six_blocks("fcfs", [0, 0, 0])
+    scheduler.in_flight.add("c")  # the latest arrival, the usual victim: its step has not come back
+    out = scheduler.schedule()
+    assert "c" not in out.num_scheduled_tokens and c.status == RequestStatus.RUNNING
+    assert out.finished_req_ids == {"b"}  # the victim is the last request not in flight
+    assert b.status == RequestStatus.PREEMPTED and a.req_id in out.num_scheduled_tokens

@@ -63,14 +63,20 @@ def _count(start: float, x: torch.Tensor) -> None:
     COLLECTIVE_STATS.bytes += x.numel() * x.element_size()
 
 
-def send_to_next_stage(tensors: list[torch.Tensor]) -> None:
-    """Pass this stage's activations to the same tensor-parallel rank of the next stage."""
+def send_to_next_stage(tensors: list[torch.Tensor]) -> list[tuple[dist.Work, torch.Tensor]]:
+    """Pass this stage's activations to the same tensor-parallel rank of the next stage, without waiting
+    for the next stage to take them (it may still be busy with an earlier step). Returns each send's
+    work and the tensor it reads: keep them until the works are waited on."""
     pp = get_pp_stage()
+    sends = []
     for x in tensors:
         start = time.perf_counter()
         x = x.contiguous()
-        dist.send(x, pp.rank + pp.tp_size)
+        work = dist.isend(x, pp.rank + pp.tp_size)
+        if work is not None:  # None only on a rank outside the default group
+            sends.append((work, x))
         _count(start, x)
+    return sends
 
 
 def recv_from_prev_stage(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:

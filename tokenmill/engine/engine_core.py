@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from tokenmill.kv_tier.index import TierIndex
 from tokenmill.kv_tier.stats import KVTierStats
 from tokenmill.loader.hf import load_tokenizer
 from tokenmill.loader.model_source import ModelSource
-from tokenmill.outputs import EngineCoreOutput
+from tokenmill.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.sampling_params import params_for_wire
 from tokenmill.scheduling.kv_cache_manager import KVCacheManager
 from tokenmill.scheduling.kv_tier import TierScheduler
@@ -189,6 +190,8 @@ class EngineCore:
         self.num_failed_steps = 0  # model steps that raised (each ended only its own requests)
         self.decode_stats = DecodeStepStats()
         self.last_step = StepShape()
+        # Pipeline stages: launched steps not yet collected, oldest first, with the KV tokens each reads.
+        self._in_flight: deque[tuple[SchedulerOutput, int]] = deque()
         # Every rank reads its own shard of the weights and of the KV cache: count them all (pipeline
         # stages: as many as rank 0's, an estimate where the stages are uneven).
         ranks = config.parallel.world_size
@@ -282,7 +285,7 @@ class EngineCore:
         if len(self.grammar_waitlist) and not self.scheduler.has_unfinished():  # wait a little, never spin
             self.grammar_waitlist.wait(GRAMMAR_POLL_S)
             return compiled
-        return compiled + self._step()
+        return compiled + (self._step_pipelined() if self.executor.pipeline_depth > 1 else self._step())
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Schedule the requests whose grammar has compiled; those it failed for end with its error."""
@@ -325,7 +328,66 @@ class EngineCore:
             logger.exception("model step failed; ending the %d requests in it", len(sched.num_scheduled_tokens))
             return self._fail(list(sched.num_scheduled_tokens), f"engine error during the model step: {exc!r}")
         outputs = self.scheduler.update_from_output(sched, runner_out)
-        seconds = time.perf_counter() - start
+        self._record_step(sched, runner_out, context, time.perf_counter() - start)
+        if self.config.cache.kv_role == "prefill" and any(o.finished for o in outputs):
+            self._save_prefixes()
+        return outputs
+
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """Pipeline stages (virtual engines): launch steps until `pipeline_depth` are in flight, each of
+        requests no other in-flight step holds, then take the oldest's output. While the last stage
+        finishes one step the first stage already runs the next, instead of idling until the output."""
+        start = time.perf_counter()
+        depth = self.executor.pipeline_depth
+        while len(self._in_flight) < depth:
+            sched = self.scheduler.schedule(self._pipeline_share(depth - len(self._in_flight)))
+            if sched.is_empty:
+                self.scheduler.not_launched(sched)
+                break
+            requests = self.scheduler.requests
+            context = sum(requests[r].num_computed_tokens + n for r, n in sched.num_scheduled_tokens.items())
+            self.scheduler.in_flight.update(sched.num_scheduled_tokens)
+            self._in_flight.append((sched, context))
+            try:
+                self.executor.launch(sched)
+            except Exception as exc:  # noqa: BLE001 (any failure leaves the stages out of step)
+                return self._stop_pipeline(exc)
+        if not self._in_flight:
+            self.num_idle_steps = self.num_idle_steps + 1 if self.has_unfinished() else 0
+            if self.num_idle_steps > 2:  # cannot happen if admission checks hold; never hang on it
+                return self._fail(list(self.scheduler.requests), "the scheduler could not place this request")
+            return []
+        self.num_idle_steps = 0
+        sched, context = self._in_flight.popleft()
+        try:
+            runner_out = self.executor.collect()
+        except Exception as exc:  # noqa: BLE001
+            return self._stop_pipeline(exc)
+        self.scheduler.in_flight.difference_update(sched.num_scheduled_tokens)
+        outputs = self.scheduler.update_from_output(sched, runner_out)
+        self._record_step(sched, runner_out, context, time.perf_counter() - start)
+        return outputs
+
+    def _pipeline_share(self, free_slots: int) -> int:
+        """Requests for the next launched step: those not in flight, shared over the free slots, so the
+        steps in flight hold about equal parts (one step holding every request would leave nothing to
+        launch beside it, and the stages would take turns instead of overlapping)."""
+        scheduler = self.scheduler
+        admissible = max(0, min(len(scheduler.waiting), scheduler.config.max_num_seqs - len(scheduler.running)))
+        ready = sum(r.req_id not in scheduler.in_flight for r in scheduler.running) + admissible
+        return max(1, -(-ready // free_slots))
+
+    def _stop_pipeline(self, exc: Exception) -> list[EngineCoreOutput]:
+        """A stage failed with steps in flight: the ranks cannot go on together; end every request."""
+        logger.error("pipeline-parallel engine stopped: %s", exc)
+        self.dead_reason = f"engine error: {exc}"
+        self._in_flight.clear()
+        self.scheduler.in_flight.clear()
+        self.executor.shutdown()
+        return self._fail(list(self.scheduler.requests), self.dead_reason)
+
+    def _record_step(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput, context: int, seconds: float) -> None:
+        """The step's shape and time (last_step, decode_stats). `context`: the KV tokens it read."""
         num_drafts = sum(len(d) for d in sched.scheduled_spec_tokens.values())
         # A row computing one token (beside its drafts) decodes; a longer one is a prompt chunk.
         rows = sum(n - len(sched.scheduled_spec_tokens.get(r, ())) == 1 for r, n in sched.num_scheduled_tokens.items())
@@ -336,9 +398,6 @@ class EngineCore:
             self.decode_stats.steps += 1
             self.decode_stats.seconds += seconds
             self.decode_stats.tokens += sum(len(t) for t in runner_out.sampled_token_ids.values())
-        if self.config.cache.kv_role == "prefill" and any(o.finished for o in outputs):
-            self._save_prefixes()
-        return outputs
 
     def _save_prefixes(self) -> None:
         """A prefill engine's finished requests' prompt blocks (every cached prefix the tier lacks) into the

@@ -42,6 +42,19 @@ class Executor(Protocol):
         """One step on every rank; rank 0's output."""
         ...
 
+    @property
+    def pipeline_depth(self) -> int:
+        """Steps the engine may keep in flight: the pipeline stages (1 without them)."""
+        ...
+
+    def launch(self, sched: SchedulerOutput) -> None:
+        """Pipeline stages: start a step on every rank; `collect` takes its output later."""
+        ...
+
+    def collect(self) -> ModelRunnerOutput:
+        """Pipeline stages: the oldest launched step's output."""
+        ...
+
     def shutdown(self) -> None:
         """Stop the other ranks (idempotent)."""
         ...

@@ -19,7 +19,9 @@ from tokenmill.executor.messages import (
     WORKER_COMMANDS,
     AllocateKVCache,
     CaptureCudaGraphs,
+    CollectStep,
     ExecuteStep,
+    LaunchStep,
     ProfileRun,
     RankFailed,
     RankReady,
@@ -85,6 +87,10 @@ def run_command(runner: ModelRunner, command: WorkerCommand) -> bool:
     ends the follower: rank 0 then sees the rank gone."""
     if isinstance(command, ExecuteStep):
         runner.execute(command.sched)
+    elif isinstance(command, LaunchStep):
+        runner.launch(command.sched)
+    elif isinstance(command, CollectStep):
+        runner.collect()
     elif isinstance(command, AllocateKVCache):
         runner.allocate_kv_cache(command.num_blocks)
     elif isinstance(command, ProfileRun):

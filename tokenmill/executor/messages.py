@@ -12,6 +12,16 @@ class ExecuteStep(Message):
     sched: SchedulerOutput  # num_scheduled_tokens keeps its order on the wire: the batch's row order
 
 
+class LaunchStep(Message):
+    """Pipeline stages: this rank's part of a step, its output taken by a later CollectStep."""
+
+    sched: SchedulerOutput
+
+
+class CollectStep(Message):
+    """Pipeline stages: take the oldest launched step's output (every rank joins its broadcast)."""
+
+
 class AllocateKVCache(Message):
     num_blocks: int
 
@@ -32,7 +42,16 @@ class ReportStageTime(Message):
     """Reply with this rank's StageTime (pipeline stages: seconds busy and waiting in steps)."""
 
 
-WorkerCommand = ExecuteStep | AllocateKVCache | ProfileRun | CaptureCudaGraphs | Shutdown | ReportStageTime
+WorkerCommand = (
+    ExecuteStep
+    | LaunchStep
+    | CollectStep
+    | AllocateKVCache
+    | ProfileRun
+    | CaptureCudaGraphs
+    | Shutdown
+    | ReportStageTime
+)
 
 WORKER_COMMANDS: Codec[WorkerCommand] = Codec(WorkerCommand, "command from rank 0")
 

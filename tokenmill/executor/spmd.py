@@ -18,7 +18,9 @@ from tokenmill.executor.messages import (
     WORKER_COMMANDS,
     AllocateKVCache,
     CaptureCudaGraphs,
+    CollectStep,
     ExecuteStep,
+    LaunchStep,
     ProfileRun,
     WorkerCommand,
 )
@@ -57,6 +59,19 @@ class SpmdExecutor:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._send(ExecuteStep(sched))
         output: ModelRunnerOutput = self._guarded(lambda: self.driver.execute(sched))
+        return output
+
+    @property
+    def pipeline_depth(self) -> int:
+        return self.driver.config.parallel.pipeline_parallel_size
+
+    def launch(self, sched: SchedulerOutput) -> None:
+        self._send(LaunchStep(sched))
+        self._guarded(lambda: self.driver.launch(sched))
+
+    def collect(self) -> ModelRunnerOutput:
+        self._send(CollectStep())
+        output: ModelRunnerOutput = self._guarded(self.driver.collect)
         return output
 
     def _send(self, command: WorkerCommand) -> None:

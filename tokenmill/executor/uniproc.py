@@ -37,5 +37,15 @@ class UniprocExecutor:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.driver.execute(sched)
 
+    @property
+    def pipeline_depth(self) -> int:
+        return 1  # one rank: no stages
+
+    def launch(self, sched: SchedulerOutput) -> None:
+        self.driver.launch(sched)
+
+    def collect(self) -> ModelRunnerOutput:
+        return self.driver.collect()
+
     def shutdown(self) -> None:
         pass

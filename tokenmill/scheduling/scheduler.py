@@ -117,6 +117,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._ended_since_last_step: set[str] = set()
+        # Requests of steps launched and not yet updated (pipeline stages keep several in flight): no
+        # later step schedules or preempts them until their step's output is in.
+        self.in_flight: set[str] = set()
+        self._req_cap = config.max_num_seqs  # this step's most requests (schedule's max_num_reqs)
         self._num_background = 0  # requests of the idle class (BACKGROUND_PRIORITY) not finished
         self.idle_chunk_tokens, self.clock = idle_chunk_tokens, clock
         self.kv_tier = kv_tier
@@ -167,7 +171,10 @@ class Scheduler:
         return len(self.waiting)
 
     # ------------------------------------------------------------------ one step
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:
+        """The next step. `max_num_reqs`: at most this many requests in it (pipeline stages split the
+        requests over the steps they keep in flight)."""
+        self._req_cap = max_num_reqs if max_num_reqs is not None else self.config.max_num_seqs
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
@@ -194,6 +201,10 @@ class Scheduler:
         if self.kv_tier is not None:
             out.kv_saves, out.kv_loads, out.kv_deletes = self.kv_tier.take_step()
         return out
+
+    def not_launched(self, sched: SchedulerOutput) -> None:
+        """An empty step the engine does not run: the requests it reported ended go in the next one."""
+        self._ended_since_last_step |= sched.finished_req_ids
 
     def step_failed(self, sched: SchedulerOutput) -> None:
         """The step's model run raised: blocks it was to load from the tier hold no such KV."""
@@ -238,9 +249,9 @@ class Scheduler:
         self.running.sort(key=self._victim_key)
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < self._req_cap:
             request = self.running[i]
-            if idle and request.background:
+            if (idle and request.background) or request.req_id in self.in_flight:
                 i += 1
                 continue
             # Draft tokens are scheduled tokens of the request: their KV slots are allocated with the rest.
@@ -255,7 +266,9 @@ class Scheduler:
                 drafts, num_new = [], num_new - len(drafts)
                 new_block_ids = self.kv_cache.allocate_slots(request, num_new)
             while new_block_ids is None:
-                victim = self.running.pop()
+                victim = self._pop_victim()
+                if victim is None:  # the others' steps are in flight: wait for their blocks
+                    break
                 self._preempt(victim, ended)
                 preempted = True
                 if victim is request:
@@ -296,11 +309,18 @@ class Scheduler:
                 return block_ids
         return self.kv_cache.allocate_slots(request, num_new, computed_blocks)
 
+    def _pop_victim(self) -> Request | None:
+        """The least important running request whose step is not in flight, taken out of running."""
+        for i in range(len(self.running) - 1, -1, -1):
+            if self.running[i].req_id not in self.in_flight:
+                return self.running.pop(i)
+        return None
+
     def _preempt_background(self, ended: set[str]) -> bool:
         """Preempt the last background request that runs (it sat out this step), for a waiting
         request the pool has no room for: else it could wait on blocks that idle requests hold."""
         for i in range(len(self.running) - 1, -1, -1):
-            if self.running[i].background:
+            if self.running[i].background and self.running[i].req_id not in self.in_flight:
                 self._preempt(self.running.pop(i), ended)
                 return True
         return False
@@ -330,7 +350,12 @@ class Scheduler:
     ) -> None:
         deferred: list[Request] = []
         loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
-        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and len(num_scheduled) < self._req_cap
+        ):
             request = self.waiting.peek()
             leader = request.prefill_leader
             if leader is not None and not leader.is_finished and not leader.prompt_done():

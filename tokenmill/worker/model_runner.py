@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 from pathlib import Path
 from typing import Any, cast
 
@@ -35,7 +36,7 @@ from tokenmill.worker.input_batch import RunnerRequestState, StepBatch, build_st
 from tokenmill.worker.kv_tier_io import KVTierIO, open_kv_tier
 from tokenmill.worker.model_interface import CausalLM
 from tokenmill.worker.model_loader import load_model
-from tokenmill.worker.pipeline_step import run_pipeline_step
+from tokenmill.worker.pipeline_step import LaunchedStep, finish_pipeline_step, launch_pipeline_step
 from tokenmill.worker.pooler import pool_step
 from tokenmill.worker.spec_verify import accepted_tokens, verify_metadata
 from tokenmill.worker.staging import Staging
@@ -113,6 +114,8 @@ class ModelRunner:
         self.states: dict[str, RunnerRequestState] = {}
         # The states' block tables and the step's host-to-device staging, kept from step to step.
         self.block_tables = BlockTables(Staging(self.device))
+        # Pipeline stages: steps launched and not yet collected, oldest first (with their token counts).
+        self._launched: deque[tuple[LaunchedStep | None, list[int]]] = deque()
         self.pooling_ids: set[str] = set()  # the pooling requests among the states
         # A *ForSequenceClassification model's head, for pooling requests that classify.
         self.classifier_head = getattr(module, "score", None)
@@ -386,10 +389,8 @@ class ModelRunner:
         drafts = [spec.get(s.req_id, []) for s in states] if spec else None
         pooling = bool(self.pooling_ids) and not self.pooling_ids.isdisjoint(sched.num_scheduled_tokens)
         if pp_world_size() > 1:  # this rank runs one stage's layers (worker/pipeline_step.py)
-            model, size, tables = self.model, self.block_size, self.block_tables
-            output = run_pipeline_step(model, states, num_scheduled, size, tables, pooling, self.outputs)
-            self._advance(states, num_scheduled, spec, output)
-            return output
+            self._launch_stage(states, num_scheduled, pooling)
+            return self.collect()
         batch = build_step_batch(
             states, num_scheduled, self.block_size, self.device, drafts, pooling, self.block_tables
         )
@@ -400,6 +401,34 @@ class ModelRunner:
             return self._run(batch, states, num_scheduled, spec, pooling, adapted)
         finally:
             self.loras.end_step()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> None:
+        """Pipeline stages: this rank's part of a step (its layers on the step's tokens; the last
+        stage samples), without its output: `collect` takes the oldest launched step's. Steps launched
+        before it is collected hold other requests (the engine keeps them disjoint)."""
+        states = self._update_states(sched)
+        num_scheduled = [sched.num_scheduled_tokens[s.req_id] for s in states]
+        pooling = bool(self.pooling_ids) and not self.pooling_ids.isdisjoint(sched.num_scheduled_tokens)
+        self.block_tables.staging.begin_step()
+        self._launch_stage(states, num_scheduled, pooling)
+
+    def _launch_stage(self, states: list[RunnerRequestState], num_scheduled: list[int], pooling: bool) -> None:
+        step = None
+        if states:
+            model, size, tables = self.model, self.block_size, self.block_tables
+            step = launch_pipeline_step(model, states, num_scheduled, size, tables, pooling, self.outputs)
+        self._launched.append((step, num_scheduled))
+
+    @torch.inference_mode()
+    def collect(self) -> ModelRunnerOutput:
+        """The output of the oldest launched step (pipeline stages), on every rank."""
+        step, num_scheduled = self._launched.popleft()
+        if step is None:
+            return ModelRunnerOutput(sampled_token_ids={})
+        output = finish_pipeline_step(step)
+        self._advance(step.states, num_scheduled, {}, output)
+        return output
 
     def _run(
         self,

@@ -1,11 +1,12 @@
-"""One step on a pipeline stage: its decoder layers on micro-batches of the step's requests, activations
-received from the previous stage and sent to the next; the last stage samples, and every rank takes its
+"""One step on a pipeline stage: its decoder layers on the step's requests, activations received from the
+previous stage and sent to the next; the last stage samples, and every rank takes its
 output (so every rank's request states stay in lockstep, as under tensor parallelism).
 
-The step's requests are split into up to one micro-batch per stage, of about equal tokens: while stage
-s runs micro-batch m, stage s - 1 runs m + 1, so a step of M micro-batches over P stages takes about
-(M + P - 1) / M stage-times where one batch would take P. (Micro-batches of successive steps do not
-overlap: the engine schedules one step at a time.)"""
+Stages overlap across steps (vLLM's virtual engines): a step is launched (each stage runs its layers on
+it, the last samples) and finished (the output reaches every rank) apart, and the engine keeps up to P
+steps in flight, each with about 1/P of the requests and none of another's (engine/engine_core.py), so
+stage s runs step N + 1 while stage s + 1 runs step N. Activations go with non-blocking sends: a stage
+never waits for the next one to be ready for them."""
 
 from __future__ import annotations
 
@@ -38,22 +39,16 @@ class StageTime:
 STAGE_TIME = StageTime()
 
 
-def micro_batches(num_scheduled: list[int], num_stages: int) -> list[range]:
-    """Consecutive requests split into at most `num_stages` groups of about equal tokens (none empty)."""
-    total = sum(num_scheduled)
-    groups: list[range] = []
-    start, tokens = 0, 0
-    for i, n in enumerate(num_scheduled):
-        tokens += n
-        left_groups = num_stages - len(groups) - 1
-        if left_groups and tokens * num_stages >= total * (len(groups) + 1) and len(num_scheduled) - i - 1 > 0:
-            groups.append(range(start, i + 1))
-            start = i + 1
-    groups.append(range(start, len(num_scheduled)))
-    return groups
+@dataclass
+class LaunchedStep:
+    """A step this stage has done its part of, waiting for the last stage's output."""
+
+    states: list[RunnerRequestState]
+    merged: ModelRunnerOutput | None  # the last stage's output (it sampled); None on the other stages
+    sends: list[tuple[Any, torch.Tensor]]  # activations on their way to the next stage (work, tensor)
 
 
-def run_pipeline_step(
+def launch_pipeline_step(
     model: Any,  # a model with forward_stage and norm (LlamaForCausalLM)
     states: list[RunnerRequestState],
     num_scheduled: list[int],
@@ -61,40 +56,43 @@ def run_pipeline_step(
     tables: BlockTables,
     pooling: bool,
     outputs: Outputs,
-) -> ModelRunnerOutput:
-    """This stage's part of the step; the last stage's output, on every rank. `tables`: the runner's
-    block tables (every state's row)."""
+) -> LaunchedStep:
+    """This stage's part of the step: its layers on the step's tokens (received from the previous stage,
+    sent on to the next; the last stage samples). `tables`: the runner's block tables (every state's
+    row). finish_pipeline_step takes the output, once every rank has launched the step: meanwhile this
+    stage may launch the next step (of other requests)."""
     stage = get_pp_stage()
     device = tables.device
     dtype = model.embed_tokens.weight.dtype
     hidden_size = model.embed_tokens.weight.shape[1]
-    merged = ModelRunnerOutput(sampled_token_ids={})
-    batches = []
-    for group in micro_batches(num_scheduled, stage.num_stages):
-        part = [states[i] for i in group]
-        batch = build_step_batch(part, [num_scheduled[i] for i in group], block_size, device, None, pooling, tables)
-        batches.append((batch, part))
+    batch = build_step_batch(states, num_scheduled, block_size, device, None, pooling, tables)
     clock = time.perf_counter()
-    for batch, part in batches:
-        received = None
-        if not stage.is_first:
-            n = batch.input_ids.numel()
-            hidden_in, residual_in = recv_from_prev_stage([(n, hidden_size)] * 2, dtype, device)
-            received = (hidden_in, residual_in)
-            clock = _tick(clock, busy=False)
-        hidden, residual = model.forward_stage(batch.input_ids, batch.positions, batch.attn_metadata, received)
-        if not stage.is_last:
-            clock = _tick(clock, busy=True)
-            send_to_next_stage([hidden, residual])
-            clock = _tick(clock, busy=False)
-            continue
-        _merge(merged, outputs(model.norm(hidden, residual)[0], batch, part, pooling))
-        clock = _tick(clock, busy=True)
-    data = msgspec.msgpack.encode(merged) if stage.is_last else None
+    received = None
+    if not stage.is_first:
+        n = batch.input_ids.numel()
+        received = tuple(recv_from_prev_stage([(n, hidden_size)] * 2, dtype, device))  # (hidden, residual)
+        clock = _tick(clock, busy=False)
+    hidden, residual = model.forward_stage(batch.input_ids, batch.positions, batch.attn_metadata, received)
+    if not stage.is_last:
+        sends = send_to_next_stage([hidden, residual])
+        _tick(clock, busy=True)
+        return LaunchedStep(states, None, sends)
+    merged = outputs(model.norm(hidden, residual)[0], batch, states, pooling)
+    _tick(clock, busy=True)
+    return LaunchedStep(states, merged, [])
+
+
+def finish_pipeline_step(step: LaunchedStep) -> ModelRunnerOutput:
+    """The last stage's output of a launched step, on every rank (a collective: every rank finishes its
+    launched steps in the order they were launched)."""
+    clock = time.perf_counter()
+    for work, _ in step.sends:  # taken by the next stage before it sampled
+        work.wait()
+    data = msgspec.msgpack.encode(step.merged) if step.merged is not None else None
     output = msgspec.msgpack.decode(broadcast_from_last_stage(data), type=ModelRunnerOutput)
     _tick(clock, busy=False)
-    if not stage.is_last:  # the last stage appended its sampled tokens as it sampled them
-        for state in states:
+    if step.merged is None:  # the last stage appended its sampled tokens as it sampled them
+        for state in step.states:
             state.token_ids.extend(output.sampled_token_ids.get(state.req_id, ()))
     return output
 
@@ -107,10 +105,3 @@ def _tick(since: float, busy: bool) -> float:
     else:
         STAGE_TIME.wait_s += now - since
     return now
-
-
-def _merge(into: ModelRunnerOutput, part: ModelRunnerOutput) -> None:
-    into.sampled_token_ids.update(part.sampled_token_ids)
-    into.logprobs.update(part.logprobs)
-    into.prompt_logprobs.update(part.prompt_logprobs)
-    into.pooled.update(part.pooled)
