@@ -90,19 +90,35 @@ def recv_from_prev_stage(shapes: list[tuple[int, ...]], dtype: torch.dtype, devi
     return out
 
 
-def broadcast_from_last_stage(data: bytes | None) -> bytes:
-    """The last stage's `data` (its step's encoded output) on every rank of every stage: a length, then
-    the bytes (gloo carries CPU tensors; over NCCL both travel on the rank's GPU)."""
+def send_output_from_last_stage(data: bytes) -> list[tuple[dist.Work, torch.Tensor]]:
+    """The last stage's step output (`data`, encoded) from its tensor-parallel rank 0 to every other
+    rank: a length, then the bytes, without waiting for them to be taken (each rank takes a step's
+    output when it finishes that step, after it may have started the next). Returns the sends' works
+    and tensors: keep them until the works are waited on."""
     pp = get_pp_stage()
-    src = pp.last_stage_rank
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=device)
-    dist.broadcast(size, src)
-    buffer = (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-        if data is not None and pp.rank == src
-        else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    )
-    if buffer.numel():
-        dist.broadcast(buffer, src)
-    return data if pp.rank == src and data is not None else bytes(buffer.cpu().numpy().tobytes())
+    device = _wire_device()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    sends = []
+    for rank in range(dist.get_world_size()):
+        for x in (size, payload) if rank != pp.rank else ():
+            work = dist.isend(x, rank)
+            if work is not None:
+                sends.append((work, x))
+    return sends
+
+
+def recv_output_of_last_stage() -> bytes:
+    """The bytes send_output_from_last_stage sent this rank, for its oldest step not yet taken."""
+    device = _wire_device()
+    src = get_pp_stage().last_stage_rank
+    size = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(size, src)
+    buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.recv(buffer, src)
+    return bytes(buffer.cpu().numpy().tobytes())
+
+
+def _wire_device() -> torch.device | None:
+    """Where step outputs travel: gloo carries CPU tensors; NCCL, tensors on the rank's GPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None

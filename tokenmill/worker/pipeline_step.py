@@ -1,12 +1,13 @@
 """One step on a pipeline stage: its decoder layers on the step's requests, activations received from the
-previous stage and sent to the next; the last stage samples, and every rank takes its
-output (so every rank's request states stay in lockstep, as under tensor parallelism).
+previous stage and sent to the next; the last stage samples and sends its output to every rank (so
+every rank's request states stay in lockstep, as under tensor parallelism).
 
 Stages overlap across steps (vLLM's virtual engines): a step is launched (each stage runs its layers on
-it, the last samples) and finished (the output reaches every rank) apart, and the engine keeps up to P
-steps in flight, each with about 1/P of the requests and none of another's (engine/engine_core.py), so
-stage s runs step N + 1 while stage s + 1 runs step N. Activations go with non-blocking sends: a stage
-never waits for the next one to be ready for them."""
+it, the last samples) and finished (a rank takes the output) apart, and the engine keeps up to P steps
+in flight, each with about 1/P of the requests and none of another's (engine/engine_core.py), so stage
+s runs step N + 1 while stage s + 1 runs step N. Activations and outputs go point to point with
+non-blocking sends: no stage waits for another to be ready to take them (a collective here would make
+the last stage wait for the first to finish its next step before starting its own)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,12 @@ from typing import Any
 import msgspec
 import torch
 
-from tokenmill.distributed.communication import broadcast_from_last_stage, recv_from_prev_stage, send_to_next_stage
+from tokenmill.distributed.communication import (
+    recv_from_prev_stage,
+    recv_output_of_last_stage,
+    send_output_from_last_stage,
+    send_to_next_stage,
+)
 from tokenmill.distributed.parallel_state import get_pp_stage
 from tokenmill.outputs import ModelRunnerOutput
 from tokenmill.worker.block_table import BlockTables
@@ -45,7 +51,8 @@ class LaunchedStep:
 
     states: list[RunnerRequestState]
     merged: ModelRunnerOutput | None  # the last stage's output (it sampled); None on the other stages
-    sends: list[tuple[Any, torch.Tensor]]  # activations on their way to the next stage (work, tensor)
+    # (work, tensor) of sends under way: activations to the next stage, or this output to every rank
+    sends: list[tuple[Any, torch.Tensor]]
 
 
 def launch_pipeline_step(
@@ -78,20 +85,25 @@ def launch_pipeline_step(
         _tick(clock, busy=True)
         return LaunchedStep(states, None, sends)
     merged = outputs(model.norm(hidden, residual)[0], batch, states, pooling)
+    # Sent at once: the other stages take it when they finish the step, and this stage goes on to the next.
+    sends = send_output_from_last_stage(msgspec.msgpack.encode(merged)) if stage.rank == stage.last_stage_rank else []
     _tick(clock, busy=True)
-    return LaunchedStep(states, merged, [])
+    return LaunchedStep(states, merged, sends)
 
 
 def finish_pipeline_step(step: LaunchedStep) -> ModelRunnerOutput:
-    """The last stage's output of a launched step, on every rank (a collective: every rank finishes its
-    launched steps in the order they were launched)."""
+    """The last stage's output of a launched step, on every rank; each rank finishes its launched steps
+    in the order it launched them."""
+    stage = get_pp_stage()
     clock = time.perf_counter()
-    for work, _ in step.sends:  # taken by the next stage before it sampled
+    for work, _ in step.sends:  # activations taken by the next stage, or this output by the others
         work.wait()
-    data = msgspec.msgpack.encode(step.merged) if step.merged is not None else None
-    output = msgspec.msgpack.decode(broadcast_from_last_stage(data), type=ModelRunnerOutput)
+    if stage.rank == stage.last_stage_rank and step.merged is not None:
+        output = step.merged
+    else:
+        output = msgspec.msgpack.decode(recv_output_of_last_stage(), type=ModelRunnerOutput)
     _tick(clock, busy=False)
-    if step.merged is None:  # the last stage appended its sampled tokens as it sampled them
+    if not stage.is_last:  # the last stage appended its sampled tokens as it sampled them
         for state in step.states:
             state.token_ids.extend(output.sampled_token_ids.get(state.req_id, ()))
     return output
