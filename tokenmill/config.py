@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from tokenmill.loader.hf_config import HFConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+ASYNC_SCHEDULING = ("auto", "on", "off")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -90,6 +91,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     policy: str = "fcfs"
+    # Schedule step N+1 while step N runs on the device (engine_core.py, _step_async); resolved from
+    # --async-scheduling by engine_args.resolve_async_scheduling.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -364,6 +368,14 @@ class EngineArgs:
     device: str = setting("cpu", group="model", help="cpu | cuda")
     attention_backend: str = setting("auto", group="model", help="auto | torch_ref | cpu | triton")
     scheduling_policy: str = setting("fcfs", group="scheduler", choices=SCHEDULING_POLICIES, help="request order")
+    async_scheduling: str = setting(
+        "auto",
+        group="scheduler",
+        choices=ASYNC_SCHEDULING,
+        help="schedule the next step while the device runs this one, its sampled tokens kept on the device; "
+        "auto: on CUDA (a CPU runs the model on the host's own cores: nothing to hide behind); off with "
+        "speculative decoding, pipeline stages or the second KV tier",
+    )
     quantization: str | None = setting(
         None,
         group="quantization",

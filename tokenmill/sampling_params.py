@@ -160,6 +160,12 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def reads_sampled_tokens(self) -> bool:
+        """Whether sampling the next token reads the tokens sampled so far on the host (a grammar's state,
+        the penalties' counts): async scheduling then waits for a step's tokens before the next step."""
+        return self.structured_outputs is not None or self.uses_penalties
+
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids named by the request must exist in the model's vocabulary."""
         for tok in list(self.logit_bias or {}) + self.stop_token_ids:

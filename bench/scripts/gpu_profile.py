@@ -73,6 +73,9 @@ def main() -> None:
     timer = PhaseTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.executor, "execute", "runner step (waits for the GPU)")
+    # Async scheduling (on CUDA by default) launches a step, then collects the one before it.
+    timer.wrap(engine.executor, "launch", "runner launch")
+    timer.wrap(engine.executor, "collect", "runner collect (waits for the GPU)")
     timer.wrap(engine.scheduler, "update_from_output", "scheduler update")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     step_ms: list[float] = []
@@ -120,7 +123,11 @@ def main() -> None:
         "device_kernels_ms_per_step": device_us / 1e3 / measured,
         "device_busy_share": device_us / 1e3 / sum(step_ms) if on_cuda else None,
         "run_s": total_s,
-        "config": {"max_num_seqs": llm.config.scheduler.max_num_seqs, "enforce_eager": llm.config.enforce_eager},
+        "config": {
+            "max_num_seqs": llm.config.scheduler.max_num_seqs,
+            "enforce_eager": llm.config.enforce_eager,
+            "async_scheduling": llm.config.scheduler.async_scheduling,
+        },
     }
     print(json.dumps(report, indent=2))
     (args.out_dir / "profile.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -134,6 +134,17 @@ def test_tp2_int8_keeps_95_percent_greedy_agreement_when_activation_groups_cross
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs Ray: pip install 'tokenmill[ray]'")
+def test_tp2_with_async_scheduling_equals_tp1(tmp_path: Path) -> None:
+    """Every rank launches a step before the last is collected and fills its placeholders from its own
+    samples (the ranks sample the same tokens), through chunked prefill and preemption."""
+    folder = make_tiny_model(tmp_path, "llama")
+    one, _ = _generate(folder, **TIGHT)
+    two, preemptions = _generate(folder, tensor_parallel_size=2, async_scheduling="on", **TIGHT)
+    assert preemptions > 0
+    assert _tokens(two) == _tokens(one)
+    _assert_logprobs_close(two, one)
+
+
 def test_tp2_on_ray_actors_equals_tp1(tmp_path: Path) -> None:
     folder = make_tiny_model(tmp_path, "qwen2")
     one, _ = _generate(folder, dtype="float32", num_kv_blocks=64)

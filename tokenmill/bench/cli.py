@@ -173,6 +173,7 @@ def engine_config(llm: LLM) -> dict[str, Any]:
         "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "scheduling_policy": config.scheduler.policy,
+        "async_scheduling": config.scheduler.async_scheduling,
         "block_size": config.cache.block_size,
         "kv_cache_dtype": config.cache.kv_cache_dtype,
         "num_kv_blocks": llm.engine.num_blocks,

@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 from tokenmill.config import (
+    ASYNC_SCHEDULING,
     LOAD_FORMATS,
     CacheConfig,
     EngineArgs,
@@ -73,13 +74,15 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
         kv_offloading_path=args.kv_offloading_path,
         kv_role=args.kv_role,
     )
+    speculative = resolve_speculative(args.speculative_config)
+    parallel = resolve_parallel(args, hf_config, speculative)
     scheduler = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max_model_len,
         policy=args.scheduling_policy,
+        async_scheduling=resolve_async_scheduling(args, speculative, parallel),
     )
-    speculative = resolve_speculative(args.speculative_config)
     config = EngineConfig(
         model,
         cache,
@@ -88,11 +91,34 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource]:
         args.attention_backend,
         enforce_eager=args.enforce_eager,
         speculative=speculative,
-        parallel=resolve_parallel(args, hf_config, speculative),
+        parallel=parallel,
         lora=resolve_lora(args),
     )
     logger.info("%s", describe_sampling_defaults(model.generation_config, model.sampling_defaults))
     return config, source
+
+
+def resolve_async_scheduling(args: EngineArgs, speculative: SpeculativeConfig | None, parallel: ParallelConfig) -> bool:
+    """--async-scheduling: "on" or "off" as asked, "auto" on CUDA only. Steps that overlap keep a request's
+    last token on the device, which speculative decoding (drafts proposed from it on the host), pipeline
+    stages (steps of their own in flight) and the second KV tier (blocks copied out on the host) cannot
+    work with: "on" with one of them is an error, "auto" turns itself off."""
+    if args.async_scheduling not in ASYNC_SCHEDULING:
+        raise ValueError(f"unknown async_scheduling {args.async_scheduling!r}; use one of {ASYNC_SCHEDULING}.")
+    if args.async_scheduling == "off":
+        return False
+    conflicts = [
+        name
+        for name, present in (
+            ("speculative decoding", speculative is not None),
+            ("pipeline stages", parallel.pipeline_parallel_size > 1),
+            ("the second KV tier (--kv-offloading-size)", args.kv_offloading_size is not None),
+        )
+        if present
+    ]
+    if args.async_scheduling == "on" and conflicts:
+        raise ValueError(f"--async-scheduling on does not work with {' or '.join(conflicts)}; drop one of them.")
+    return not conflicts and (args.async_scheduling == "on" or args.device.startswith("cuda"))
 
 
 def resolve_speculative(spec: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:

@@ -106,6 +106,17 @@ class DecodeStepStats:
 
 
 @dataclass(frozen=True)
+class InFlightStep:
+    """A launched step not yet collected: its schedule, the KV tokens it reads, when it was launched, and
+    (async scheduling) whether some live request's sampling read its tokens on the host then."""
+
+    sched: SchedulerOutput
+    context: int
+    launched_at: float
+    sync: bool = False
+
+
+@dataclass(frozen=True)
 class StepShape:
     """The last model step: its wall time (schedule, model, sampling, bookkeeping), its decode rows (one
     new token each, plus any drafts they verify) and the prompt tokens of its prefill chunks. The
@@ -190,8 +201,9 @@ class EngineCore:
         self.num_failed_steps = 0  # model steps that raised (each ended only its own requests)
         self.decode_stats = DecodeStepStats()
         self.last_step = StepShape()
-        # Pipeline stages: launched steps not yet collected, oldest first, with the KV tokens each reads.
-        self._in_flight: deque[tuple[SchedulerOutput, int]] = deque()
+        # Launched steps not yet collected, oldest first (pipeline stages; async scheduling).
+        self._in_flight: deque[InFlightStep] = deque()
+        self._last_collect_at = 0.0  # when the last in-flight step was collected
         # Every rank reads its own shard of the weights and of the KV cache: count them all (pipeline
         # stages: as many as rank 0's, an estimate where the stages are uneven).
         ranks = config.parallel.world_size
@@ -264,7 +276,8 @@ class EngineCore:
         self.scheduler.finish_request(req_id, status)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or len(self.grammar_waitlist) > 0
+        """Requests to run, or a step in flight to collect."""
+        return self.scheduler.has_unfinished() or len(self.grammar_waitlist) > 0 or bool(self._in_flight)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (a no-op at tensor_parallel_size 1); finish the second KV
@@ -285,7 +298,9 @@ class EngineCore:
         if len(self.grammar_waitlist) and not self.scheduler.has_unfinished():  # wait a little, never spin
             self.grammar_waitlist.wait(GRAMMAR_POLL_S)
             return compiled
-        return compiled + (self._step_pipelined() if self.executor.pipeline_depth > 1 else self._step())
+        if self.executor.pipeline_depth > 1:
+            return compiled + self._step_pipelined()
+        return compiled + (self._step_async() if self.scheduler.async_scheduling else self._step())
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Schedule the requests whose grammar has compiled; those it failed for end with its error."""
@@ -312,26 +327,95 @@ class EngineCore:
                 return []
         else:
             self.num_idle_steps = 0
-        # The KV tokens attention reads this step: each request's context up to its last new token.
-        requests = self.scheduler.requests
-        context = sum(requests[r].num_computed_tokens + n for r, n in sched.num_scheduled_tokens.items())
+        context = self._context_tokens(sched)
         try:
             runner_out = self.executor.execute(sched)
-        except ExecutorDeadError as exc:  # the ranks cannot go on together: end every request and the engine
-            logger.error("tensor-parallel engine stopped: %s", exc)
-            self.dead_reason = f"engine error: {exc}"
-            self.executor.shutdown()
-            return self._fail(list(self.scheduler.requests), self.dead_reason)
-        except Exception as exc:  # a failed forward ends the step's requests, never the engine
-            self.scheduler.step_failed(sched)
-            self.num_failed_steps += 1
-            logger.exception("model step failed; ending the %d requests in it", len(sched.num_scheduled_tokens))
-            return self._fail(list(sched.num_scheduled_tokens), f"engine error during the model step: {exc!r}")
+        except ExecutorDeadError as exc:
+            return self._executor_died(exc)
+        except Exception as exc:  # noqa: BLE001 (a failed forward ends the step's requests, never the engine)
+            return self._step_failed(sched, exc)
         outputs = self.scheduler.update_from_output(sched, runner_out)
         self._record_step(sched, runner_out, context, time.perf_counter() - start)
         if self.config.cache.kv_role == "prefill" and any(o.finished for o in outputs):
             self._save_prefixes()
         return outputs
+
+    def _context_tokens(self, sched: SchedulerOutput) -> int:
+        """The KV tokens attention reads in a step just scheduled: each request's context up to its last
+        new token (async scheduling has counted the step's tokens as computed already)."""
+        requests = self.scheduler.requests
+        context = sum(requests[r].num_computed_tokens for r in sched.num_scheduled_tokens)
+        return context if self.scheduler.async_scheduling else context + sched.total_num_scheduled_tokens
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """Async scheduling: launch the next step while the last is still running, then collect that one.
+        The device queues the new step behind the running one, so the host's work (collecting, the
+        scheduler's update, the front end's output processing, the next schedule) hides behind the
+        device's instead of leaving it idle. A request's last sampled token stays on the device for its
+        next step (the scheduler holds a placeholder for it). While a live request's sampling reads its
+        tokens on the host (a grammar, penalties), each step is collected before the next is scheduled."""
+        outputs: list[EngineCoreOutput] = []
+        sync = self.scheduler.num_sync_requests > 0
+        if sync or any(step.sync for step in self._in_flight):  # (a step with such requests, since ended)
+            while self._in_flight:
+                outputs += self._collect_oldest()
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        launched = not sched.is_empty
+        if launched:
+            step = InFlightStep(sched, self._context_tokens(sched), start, sync)
+            try:
+                self.executor.launch(sched)
+            except ExecutorDeadError as exc:
+                return outputs + self._executor_died(exc)
+            except Exception as exc:  # noqa: BLE001 (a failed launch ends the step's requests, never the engine)
+                outputs += self._step_failed(sched, exc)
+                launched = False
+            else:
+                self._in_flight.append(step)
+        else:
+            self.scheduler.not_launched(sched)
+        if self._in_flight and (len(self._in_flight) > 1 or not launched):
+            outputs += self._collect_oldest()
+        elif not self._in_flight:
+            self.num_idle_steps = self.num_idle_steps + 1 if self.scheduler.has_unfinished() else 0
+            if self.num_idle_steps > 2:  # cannot happen if admission checks hold; never hang on it
+                return outputs + self._fail(list(self.scheduler.requests), "the scheduler could not place this request")
+            return outputs
+        self.num_idle_steps = 0
+        return outputs
+
+    def _collect_oldest(self) -> list[EngineCoreOutput]:
+        """Async scheduling: the oldest in-flight step's output, applied."""
+        step = self._in_flight.popleft()
+        try:
+            runner_out = self.executor.collect()
+        except ExecutorDeadError as exc:
+            return self._executor_died(exc)
+        except Exception as exc:  # noqa: BLE001
+            return self._step_failed(step.sched, exc)
+        outputs = self.scheduler.update_from_output(step.sched, runner_out)
+        now = time.perf_counter()
+        # The step's share of the wall time: from its launch, or from the last collect if it ran behind that one.
+        self._record_step(step.sched, runner_out, step.context, now - max(step.launched_at, self._last_collect_at))
+        self._last_collect_at = now
+        return outputs
+
+    def _executor_died(self, exc: ExecutorDeadError) -> list[EngineCoreOutput]:
+        """The ranks cannot go on together: end every request and the engine."""
+        logger.error("tensor-parallel engine stopped: %s", exc)
+        self.dead_reason = f"engine error: {exc}"
+        self._in_flight.clear()
+        self.executor.shutdown()
+        return self._fail(list(self.scheduler.requests), self.dead_reason)
+
+    def _step_failed(self, sched: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
+        """A step's model run raised: its requests still live end with the error, the engine goes on."""
+        self.scheduler.step_failed(sched)
+        self.num_failed_steps += 1
+        live = [r for r in sched.num_scheduled_tokens if r in self.scheduler.requests]
+        logger.error("model step failed; ending the %d requests in it", len(live), exc_info=exc)
+        return self._fail(live, f"engine error during the model step: {exc!r}")
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         """Pipeline stages (virtual engines): launch steps until `pipeline_depth` are in flight, each of
@@ -344,10 +428,8 @@ class EngineCore:
             if sched.is_empty:
                 self.scheduler.not_launched(sched)
                 break
-            requests = self.scheduler.requests
-            context = sum(requests[r].num_computed_tokens + n for r, n in sched.num_scheduled_tokens.items())
             self.scheduler.in_flight.update(sched.num_scheduled_tokens)
-            self._in_flight.append((sched, context))
+            self._in_flight.append(InFlightStep(sched, self._context_tokens(sched), start))
             try:
                 self.executor.launch(sched)
             except Exception as exc:  # noqa: BLE001 (any failure leaves the stages out of step)
@@ -358,14 +440,14 @@ class EngineCore:
                 return self._fail(list(self.scheduler.requests), "the scheduler could not place this request")
             return []
         self.num_idle_steps = 0
-        sched, context = self._in_flight.popleft()
+        step = self._in_flight.popleft()
         try:
             runner_out = self.executor.collect()
         except Exception as exc:  # noqa: BLE001
             return self._stop_pipeline(exc)
-        self.scheduler.in_flight.difference_update(sched.num_scheduled_tokens)
-        outputs = self.scheduler.update_from_output(sched, runner_out)
-        self._record_step(sched, runner_out, context, time.perf_counter() - start)
+        self.scheduler.in_flight.difference_update(step.sched.num_scheduled_tokens)
+        outputs = self.scheduler.update_from_output(step.sched, runner_out)
+        self._record_step(step.sched, runner_out, step.context, time.perf_counter() - start)
         return outputs
 
     def _pipeline_share(self, free_slots: int) -> int:

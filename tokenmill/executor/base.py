@@ -48,11 +48,11 @@ class Executor(Protocol):
         ...
 
     def launch(self, sched: SchedulerOutput) -> None:
-        """Pipeline stages: start a step on every rank; `collect` takes its output later."""
+        """Start a step on every rank; `collect` takes its output later (pipeline stages, async scheduling)."""
         ...
 
     def collect(self) -> ModelRunnerOutput:
-        """Pipeline stages: the oldest launched step's output."""
+        """The oldest launched step's output (rank 0's)."""
         ...
 
     def shutdown(self) -> None:

@@ -54,6 +54,10 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Async scheduling: tokens sampled by steps still in flight (their values not yet known here), and
+    # the outputs of in-flight steps to drop when they come (the request was preempted since).
+    num_output_placeholders: int = 0
+    num_stale_outputs: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule
     kv_tier_checked: bool = False  # the second KV tier was looked up for it (once per request: scheduling/kv_tier.py)
     status: RequestStatus = RequestStatus.WAITING

@@ -126,6 +126,12 @@ class Scheduler:
         self.kv_tier = kv_tier
         self.max_loras = max_loras
         self.online = OnlineTraffic()  # on the clock: steps with an online request
+        # Async scheduling (config.async_scheduling): a step counts its tokens as computed when it is
+        # scheduled, and a request that samples in it gets a placeholder token, so the next step can be
+        # scheduled before this one's output is in. Live requests whose sampling reads their last tokens
+        # on the host (SamplingParams.reads_sampled_tokens): while any is, the engine does not overlap.
+        self.async_scheduling = config.async_scheduling
+        self.num_sync_requests = 0
         self._chunk_room: int | None = None  # this step's room for idle-class prompt tokens (None: no cap)
 
     # ------------------------------------------------------------------ requests in and out
@@ -142,6 +148,7 @@ class Scheduler:
             raise ValueError(f"request id {request.req_id!r} is already in use.")
         self.requests[request.req_id] = request
         self._num_background += request.background
+        self.num_sync_requests += request.sampling_params.reads_sampled_tokens
         self.waiting.add(request)
 
     def finish_request(self, req_id: str, status: RequestStatus) -> None:
@@ -150,6 +157,7 @@ class Scheduler:
         if request is None:
             return
         self._num_background -= request.background
+        self.num_sync_requests -= request.sampling_params.reads_sampled_tokens
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -197,10 +205,23 @@ class Scheduler:
 
         total = sum(num_scheduled.values())
         self._record_step(num_scheduled, total)
+        if self.async_scheduling:
+            self._count_as_computed(num_scheduled)
         out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled, total, ended, spec_tokens)
         if self.kv_tier is not None:
             out.kv_saves, out.kv_loads, out.kv_deletes = self.kv_tier.take_step()
         return out
+
+    def _count_as_computed(self, num_scheduled: dict[str, int]) -> None:
+        """Async scheduling: the step's tokens are computed as far as the next schedule is concerned; a
+        request whose step reaches its last token samples one more, known when the step's output is in."""
+        for req_id, n in num_scheduled.items():
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if request.pooling_params is None and request.num_computed_tokens == (
+                request.num_tokens + request.num_output_placeholders
+            ):
+                request.num_output_placeholders += 1
 
     def not_launched(self, sched: SchedulerOutput) -> None:
         """An empty step the engine does not run: the requests it reported ended go in the next one."""
@@ -251,12 +272,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(num_scheduled) < self._req_cap:
             request = self.running[i]
-            if (idle and request.background) or request.req_id in self.in_flight:
+            if (idle and request.background) or request.req_id in self.in_flight or self._last_token_in_flight(request):
                 i += 1
                 continue
             # Draft tokens are scheduled tokens of the request: their KV slots are allocated with the rest.
             drafts = self._drafts_to_verify(request, budget)
-            num_new = min(request.num_tokens + len(drafts) - request.num_computed_tokens, budget)
+            num_tokens = request.num_tokens + request.num_output_placeholders
+            num_new = min(num_tokens + len(drafts) - request.num_computed_tokens, budget)
             num_new = self._cut_to_chunk(request, request.num_tokens - request.num_computed_tokens, num_new)
             if num_new == 0:
                 i += 1
@@ -287,6 +309,12 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget, preempted
+
+    @staticmethod
+    def _last_token_in_flight(request: Request) -> bool:
+        """Async scheduling: the request's max_tokens-th token is sampled by a step in flight."""
+        placeholders = request.num_output_placeholders
+        return placeholders > 0 and request.num_output_tokens + placeholders >= request.max_tokens
 
     def _cut_to_chunk(self, request: Request, remaining: int, num_new: int) -> int:
         """`num_new` cut to the step's room for idle-class prompt tokens (0 once it is spent); a decode row
@@ -329,6 +357,9 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # Tokens that steps in flight sample for it are dropped: it computes them again when it resumes.
+        request.num_stale_outputs += request.num_output_placeholders
+        request.num_output_placeholders = 0
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
@@ -431,9 +462,17 @@ class Scheduler:
         pooled = runner_output.pooled
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += n
+            if request.num_stale_outputs and req_id in runner_output.sampled_token_ids:
+                request.num_stale_outputs -= 1  # sampled before the request was preempted
+                continue
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted while the step ran
+            if self.async_scheduling:
+                request.num_output_placeholders -= req_id in runner_output.sampled_token_ids
+            else:
+                request.num_computed_tokens += n
             if pooled and req_id in pooled:  # a pooling request ends with its prompt: its blocks go back now
                 request.first_token_time = now
                 outputs.append(EngineCoreOutput(req_id, [], finish_reason="stop", pooled=pooled[req_id]))

@@ -7,6 +7,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -36,6 +37,7 @@ from tokenmill.worker.input_batch import RunnerRequestState, StepBatch, build_st
 from tokenmill.worker.kv_tier_io import KVTierIO, open_kv_tier
 from tokenmill.worker.model_interface import CausalLM
 from tokenmill.worker.model_loader import load_model
+from tokenmill.worker.pending_samples import PLACEHOLDER, HostCopy, PendingSamples, fill_places, hold_places
 from tokenmill.worker.pipeline_step import LaunchedStep, finish_pipeline_step, launch_pipeline_step
 from tokenmill.worker.pooler import pool_step
 from tokenmill.worker.spec_verify import accepted_tokens, verify_metadata
@@ -116,6 +118,12 @@ class ModelRunner:
         self.block_tables = BlockTables(Staging(self.device))
         # Pipeline stages: steps launched and not yet collected, oldest first (with their token counts).
         self._launched: deque[tuple[LaunchedStep | None, list[int]]] = deque()
+        # One stage: steps launched and not yet collected (async scheduling keeps one in flight while
+        # it launches the next), each with its output so far and its samples still on their way.
+        self._pending: deque[tuple[ModelRunnerOutput, PendingSamples | None]] = deque()
+        # The last launched step's sampled ids on the device [num_rows] and each request's row: the
+        # next step's inputs where the host holds a placeholder (async scheduling).
+        self._last_samples: tuple[torch.Tensor, dict[str, int]] | None = None
         self.pooling_ids: set[str] = set()  # the pooling requests among the states
         # A *ForSequenceClassification model's head, for pooling requests that classify.
         self.classifier_head = getattr(module, "score", None)
@@ -374,44 +382,64 @@ class ModelRunner:
         return [self.states[req_id] for req_id in sched.num_scheduled_tokens]
 
     # ------------------------------------------------------------------ one step
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        if self.kv_tier is not None and sched.has_kv_transfers:
-            self.kv_tier.transfer(sched)  # before the forward: it writes over evicted blocks, reads loaded ones
-        states = self._update_states(sched)
-        if not states:
-            return ModelRunnerOutput(sampled_token_ids={})
-        self.block_tables.staging.begin_step()
-        if self.loras is not None and any(s.lora_request is not None for s in states):
-            states.sort(key=_adapter_id)  # each adapter's rows one run (models/layers/lora.py)
-        num_scheduled = [sched.num_scheduled_tokens[s.req_id] for s in states]
-        spec = sched.scheduled_spec_tokens
-        drafts = [spec.get(s.req_id, []) for s in states] if spec else None
-        pooling = bool(self.pooling_ids) and not self.pooling_ids.isdisjoint(sched.num_scheduled_tokens)
-        if pp_world_size() > 1:  # this rank runs one stage's layers (worker/pipeline_step.py)
-            self._launch_stage(states, num_scheduled, pooling)
-            return self.collect()
-        batch = build_step_batch(
-            states, num_scheduled, self.block_size, self.device, drafts, pooling, self.block_tables
-        )
-        if self.loras is None:
-            return self._run(batch, states, num_scheduled, spec, pooling)
-        adapted = self.loras.begin_step([s.lora_request for s in states], num_scheduled)
-        try:  # the LM head's updates need the step's adapters too: they end after sampling
-            return self._run(batch, states, num_scheduled, spec, pooling, adapted)
-        finally:
-            self.loras.end_step()
+        """One step, its output on the host."""
+        self.launch(sched)
+        return self.collect()
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> None:
-        """Pipeline stages: this rank's part of a step (its layers on the step's tokens; the last
-        stage samples), without its output: `collect` takes the oldest launched step's. Steps launched
-        before it is collected hold other requests (the engine keeps them disjoint)."""
+        """Start a step; `collect` takes the oldest launched step's output. One stage: the forward and the
+        sampling are queued on the device and the sampled ids start their way to the host; a step
+        launched before the last is collected reads the tokens it needs from the last one's samples on
+        the device. Pipeline stages: this rank's layers on the step's tokens (the last stage samples);
+        steps in flight together hold other requests (the engine keeps them disjoint)."""
+        if self.kv_tier is not None and sched.has_kv_transfers:
+            self.kv_tier.transfer(sched)  # before the forward: it writes over evicted blocks, reads loaded ones
         states = self._update_states(sched)
+        if self.loras is not None and any(s.lora_request is not None for s in states):
+            states.sort(key=_adapter_id)  # each adapter's rows one run (models/layers/lora.py)
         num_scheduled = [sched.num_scheduled_tokens[s.req_id] for s in states]
         pooling = bool(self.pooling_ids) and not self.pooling_ids.isdisjoint(sched.num_scheduled_tokens)
         self.block_tables.staging.begin_step()
-        self._launch_stage(states, num_scheduled, pooling)
+        if pp_world_size() > 1:  # this rank runs one stage's layers (worker/pipeline_step.py)
+            self._launch_stage(states, num_scheduled, pooling)
+            return
+        if not states:
+            self._pending.append((ModelRunnerOutput(sampled_token_ids={}), None))
+            return
+        spec = sched.scheduled_spec_tokens
+        drafts = [spec.get(s.req_id, []) for s in states] if spec else None
+        batch = build_step_batch(
+            states, num_scheduled, self.block_size, self.device, drafts, pooling, self.block_tables
+        )
+        self._fill_placeholders(batch, states)
+        if self.loras is None:
+            self._pending.append(self._run(batch, states, num_scheduled, spec, pooling))
+            return
+        adapted = self.loras.begin_step([s.lora_request for s in states], num_scheduled)
+        try:  # the LM head's updates need the step's adapters too: they end after sampling
+            self._pending.append(self._run(batch, states, num_scheduled, spec, pooling, adapted))
+        finally:
+            self.loras.end_step()
+
+    def _fill_placeholders(self, batch: StepBatch, states: list[RunnerRequestState]) -> None:
+        """Rows whose input token the last launched step sampled and the host does not know yet (async
+        scheduling): each is its request's one scheduled token, copied from those samples on the device."""
+        if self._last_samples is None:
+            return
+        sampled, rows = self._last_samples
+        self._last_samples = None  # this step's own samples (if any) come next
+        qsl = batch.attn_metadata.query_start_loc_cpu
+        dst: list[int] = []
+        src: list[int] = []
+        for i, state in enumerate(states):
+            if state.token_ids[-1] == PLACEHOLDER:
+                dst.append(qsl[i + 1] - 1)  # the row's last (and only) token
+                src.append(rows[state.req_id])
+        if dst:
+            stage = self.block_tables.staging.to_device
+            batch.input_ids[stage(np.asarray(dst, dtype=np.int64))] = sampled[stage(np.asarray(src, dtype=np.int64))]
 
     def _launch_stage(self, states: list[RunnerRequestState], num_scheduled: list[int], pooling: bool) -> None:
         step = None
@@ -422,7 +450,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def collect(self) -> ModelRunnerOutput:
-        """The output of the oldest launched step (pipeline stages), on every rank."""
+        """The output of the oldest launched step, on every rank: the host waits for its samples only."""
+        if pp_world_size() == 1:
+            output, pending = self._pending.popleft()
+            if pending is not None:
+                self._emit(pending, output)
+            return output
         step, num_scheduled = self._launched.popleft()
         if step is None:
             return ModelRunnerOutput(sampled_token_ids={})
@@ -438,29 +471,40 @@ class ModelRunner:
         spec: dict[str, list[int]],
         pooling: bool,
         adapted: bool = False,
-    ) -> ModelRunnerOutput:
-        """The step's forward, then what it yields: pooled rows, prompt logprobs, sampled tokens, drafts."""
+    ) -> tuple[ModelRunnerOutput, PendingSamples | None]:
+        """The step's forward, then what it yields: pooled rows, prompt logprobs, sampled tokens (on their
+        way to the host unless drafts are verified or proposed: those need them now), drafts."""
         hidden = self._forward(batch, adapted)  # [num_tokens, hidden]
-        output = self.outputs(hidden, batch, states, pooling)
+        output, pending = self._outputs(hidden, batch, states, pooling)
+        if pending is not None and self.proposer is not None:
+            self._emit(pending, output)
+            pending = None
         self._advance(states, num_scheduled, spec, output)
         if self.proposer is not None and batch.sample_req_ids:
             self._propose(len(states), batch.sample_req_ids, output)
-        return output
+        return output, pending
 
     def outputs(
         self, hidden: torch.Tensor, batch: StepBatch, states: list[RunnerRequestState], pooling: bool
     ) -> ModelRunnerOutput:
-        """What the final hidden states of `batch` ([num_tokens, hidden]) yield: pooled rows, prompt
-        logprobs, sampled tokens (appended to their states)."""
+        """What the final hidden states of `batch` ([num_tokens, hidden]) yield, all on the host: pooled
+        rows, prompt logprobs, sampled tokens (appended to their states)."""
+        output, pending = self._outputs(hidden, batch, states, pooling)
+        if pending is not None:
+            self._emit(pending, output)
+        return output
+
+    def _outputs(
+        self, hidden: torch.Tensor, batch: StepBatch, states: list[RunnerRequestState], pooling: bool
+    ) -> tuple[ModelRunnerOutput, PendingSamples | None]:
         output = ModelRunnerOutput(sampled_token_ids={})
         if pooling:
             qsl = batch.attn_metadata.query_start_loc_cpu
             output.pooled = pool_step(hidden, states, qsl, self.classifier_head)
         if batch.prompt_logprob_rows:
             output.prompt_logprobs = self._prompt_logprobs(hidden, batch)
-        if batch.sample_req_ids:
-            self._sample(hidden, batch, output)
-        return output
+        pending = self._sample(hidden, batch, output) if batch.sample_req_ids else None
+        return output, pending
 
     def _advance(
         self,
@@ -491,10 +535,11 @@ class ModelRunner:
             return self.fused_decode(batch.input_ids, batch.positions, meta, lora_runs)
         return self.model(batch.input_ids, batch.positions, batch.attn_metadata)
 
-    def _sample(self, hidden: torch.Tensor, batch: StepBatch, output: ModelRunnerOutput) -> None:
+    def _sample(self, hidden: torch.Tensor, batch: StepBatch, output: ModelRunnerOutput) -> PendingSamples | None:
         """Every forward path (a CUDA graph, the fused C++ decode stack, layer by layer) ends at the hidden
-        states: the LM head, a grammar's mask and sampling all run here, for every kind of step. A step
-        that verifies drafts samples a row per verified position (worker/spec_verify.py)."""
+        states: the LM head, a grammar's mask and sampling all run here, for every kind of step. The
+        sampled rows start their way to the host (`_emit` takes them). A step that verifies drafts
+        samples a row per verified position (worker/spec_verify.py) and emits its tokens at once."""
         # Every row samples (a decode step): the rows are the logits' rows already, in order.
         every_row = hidden.shape[0] == batch.logits_indices.numel()
         rows = hidden if every_row else hidden[batch.logits_indices]
@@ -512,26 +557,45 @@ class ModelRunner:
             )
         bitmask = self.structured.bitmask(batch.sample_req_ids, drafts)
         result = self.sampler(logits, meta, bitmask)
-        sampled = result.sampled_token_ids.tolist()  # the step's one host sync for sampling
         if drafts is None:
-            emitted = [[token] for token in sampled]
-        else:
-            emitted = accepted_tokens(sampled, states, drafts, logits, meta, bitmask)
+            sampled = result.sampled_token_ids  # [num_rows] int64
+            tensors = [sampled]
+            if result.topk_token_ids is not None and result.topk_logprobs is not None:
+                assert result.sampled_ranks is not None
+                tensors += [result.topk_token_ids, result.topk_logprobs, result.sampled_ranks]
+            row_of = {s.req_id: i for i, s in enumerate(states)}
+            self._last_samples = (sampled, row_of)
+            return PendingSamples(states, hold_places(states), HostCopy(tensors), bitmask is not None, row_of)
+        emitted = accepted_tokens(result.sampled_token_ids.tolist(), states, drafts, logits, meta, bitmask)
         for state, tokens in zip(states, emitted):
             state.token_ids.extend(tokens)
             output.sampled_token_ids[state.req_id] = tokens
         if bitmask is not None:
             self.structured.accept(batch.sample_req_ids, emitted)
-        if result.topk_token_ids is None or result.topk_logprobs is None or result.sampled_ranks is None:
-            return
-        if drafts is not None:
+        if result.topk_token_ids is not None:
             self._verified_logprobs(logits, states, drafts, emitted, output)
-            return
+        return None
+
+    def _emit(self, pending: PendingSamples, output: ModelRunnerOutput) -> None:
+        """A step's samples on the host (the step's one wait for the device): its tokens replace their
+        placeholders, grammars take them, and the logprobs asked for are read."""
+        host = pending.copy.wait()
+        tokens = host[0].tolist()
+        fill_places(pending, tokens)
+        if self._last_samples is not None and self._last_samples[1] is pending.rows:
+            self._last_samples = None  # no step launched since: the next one finds every token on the host
+        states = pending.states
+        for state, token in zip(states, tokens):
+            output.sampled_token_ids[state.req_id] = [token]
+        if pending.constrained:
+            self.structured.accept(pending.req_ids, [[token] for token in tokens])
         lp_rows = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
+        if len(host) == 1 or not lp_rows:
+            return
         entries = to_token_logprobs(
-            result.topk_token_ids[lp_rows],
-            result.topk_logprobs[lp_rows],
-            result.sampled_ranks[lp_rows],
+            host[1][lp_rows],
+            host[2][lp_rows],
+            host[3][lp_rows],
             num_logprobs=[states[i].sampling_params.logprobs or 0 for i in lp_rows],
         )
         for i, entry in zip(lp_rows, entries):
