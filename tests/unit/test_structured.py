@@ -92,7 +92,7 @@ def test_bitmask_allows_exactly_the_tokens_the_matcher_accepts_one_by_one(backen
     """Two constrained rows around an unconstrained one, token by token along random paths."""
     rng = random.Random(0)
     structured = manager(backend)
-    for _ in range(12):
+    for _ in range(6):
         specs = [StructuredOutputsParams(regex=random_regex(rng)) for _ in range(2)]
         refs = [llguidance.LLMatcher(backend.ll_tokenizer, grammar_text(s), log_level=0) for s in specs]
         structured.add_request("a", specs[0], [])

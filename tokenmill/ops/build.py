@@ -103,6 +103,12 @@ def cpu_has_avx2() -> bool:
     return {"avx2", "fma"} <= _cpu_flags()
 
 
+def cpu_has_avx512() -> bool:
+    """True where the CPU has AVX-512F: only then does the native build compile other code paths than the
+    AVX2 build (every special path in csrc/ needs AVX-512 or AMX)."""
+    return "avx512f" in _cpu_flags()
+
+
 def cpu_has_avx512_bf16() -> bool:
     """True where the CPU has AVX-512 BF16 dot products (or AMX bf16) and the kernels are built to use
     them: False under TOKENMILL_CPU_ISA=avx2, whatever the CPU. Where it is False bf16 arithmetic
