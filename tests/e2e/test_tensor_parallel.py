@@ -166,8 +166,9 @@ def kill_rank_1_mid_run(llm: LLM, prompts: list[list[int]]) -> list[RequestOutpu
     asserted to come back (no hang), one per prompt."""
     executor: Any = llm.engine.executor
     follower = executor.processes[0]
-    # Rank 0 starts a step with execute, or with launch where pipeline stages keep steps in flight.
-    entry = "launch" if executor.pipeline_depth > 1 else "execute"
+    # Rank 0 starts a step with execute, or with launch where steps are kept in flight (pipeline stages,
+    # async scheduling).
+    entry = "launch" if executor.pipeline_depth > 1 or llm.engine.scheduler.async_scheduling else "execute"
     real_start = getattr(llm.engine.runner, entry)
     steps = 0
 

@@ -71,12 +71,13 @@ class CoreLoop:
                     return
                 if not core.has_unfinished():
                     if applied:  # aborts or rejected adds changed the state: say so without a step
-                        self._publish(rejected, 0)
+                        self._publish(rejected, 0, StepShape())
                     continue
                 failed_before = core.num_failed_steps
                 tokens_before = core.scheduler.stats.num_scheduled_tokens
                 outputs = rejected + core.step()
-                self._publish(outputs, core.scheduler.stats.num_scheduled_tokens - tokens_before)
+                # The shape of the step this call collected (with async scheduling, launched a call earlier).
+                self._publish(outputs, core.scheduler.stats.num_scheduled_tokens - tokens_before, core.last_step)
                 if core.dead_reason is not None:  # a tensor-parallel rank died: restart now, not at the next step
                     raise EngineDeadError(core.dead_reason)
                 failed_in_a_row = failed_in_a_row + 1 if core.num_failed_steps > failed_before else 0
@@ -119,8 +120,8 @@ class CoreLoop:
                 self.live[child.req_id] = child
         return rejected
 
-    def _publish(self, outputs: list[EngineCoreOutput], num_step_tokens: int) -> None:
-        self.events.publish(EngineStep(outputs, self._snapshot(num_step_tokens), self._changed_timings(outputs)))
+    def _publish(self, outputs: list[EngineCoreOutput], num_step_tokens: int, shape: StepShape) -> None:
+        self.events.publish(EngineStep(outputs, self._snapshot(num_step_tokens, shape), self._changed_timings(outputs)))
 
     def _changed_timings(self, outputs: list[EngineCoreOutput]) -> dict[str, RequestTimings]:
         """The timings of the outputs' requests that differ from those last sent (a request's first
@@ -141,10 +142,9 @@ class CoreLoop:
         self.live.pop(req_id, None)
         self.sent_timings.pop(req_id, None)
 
-    def _snapshot(self, num_step_tokens: int) -> EngineSnapshot:
+    def _snapshot(self, num_step_tokens: int, shape: StepShape) -> EngineSnapshot:
         sched, kv = self.core.scheduler, self.core.kv_cache
         spec = sched.stats.spec
-        shape = self.core.last_step if num_step_tokens else StepShape()  # no model step: no shape
         return EngineSnapshot(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,

@@ -294,6 +294,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if self.dead_reason is not None:
             raise ExecutorDeadError(self.dead_reason)
+        self.last_step = StepShape()  # until a step is collected in this call
         compiled = self._admit_compiled()
         if len(self.grammar_waitlist) and not self.scheduler.has_unfinished():  # wait a little, never spin
             self.grammar_waitlist.wait(GRAMMAR_POLL_S)
@@ -317,7 +318,6 @@ class EngineCore:
 
     def _step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
-        self.last_step = StepShape()  # until this step's model run succeeds
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.has_kv_transfers:
             self.num_idle_steps = self.num_idle_steps + 1 if self.has_unfinished() else 0
