@@ -149,14 +149,26 @@ def one_request(server: RunningServer, prompt_len: int, max_tokens: int) -> dict
 
 
 def test_steps_are_counted_by_shape_and_read_the_weights_plus_the_kv_context(dash_server: RunningServer) -> None:
+    assert_step_counts(dash_server)
+
+
+def test_async_scheduling_counts_each_step_once(chat_model: Path) -> None:
+    """A step is launched in one engine call and collected in the next: its shape is counted with the call
+    that collects it, once."""
+    with run_server(chat_model, SETTINGS, async_scheduling="on") as server:
+        assert server.engine.config.scheduler.async_scheduling
+        assert_step_counts(server)
+
+
+def assert_step_counts(server: RunningServer) -> None:
     # 5 prompt tokens in one prefill step (it samples the first token), then 3 decode steps of one row.
-    a = one_request(dash_server, 5, 4)
+    a = one_request(server, 5, 4)
     assert (a["steps"], a["rows"], a["tokens"]) == (4, 3, 5)
-    b = one_request(dash_server, 9, 2)
+    b = one_request(server, 9, 2)
     assert (b["steps"], b["rows"], b["tokens"]) == (2, 1, 9)
     # Each step reads the weights (W) and its requests' context from the KV cache (K bytes per token):
     # a reads 5 + 6 + 7 + 8 tokens of context, b 9 + 10.
-    config = dash_server.engine.config
+    config = server.engine.config
     kv_per_token = kv_cache_bytes_per_block(config) // config.cache.block_size
     weights_a = (a["bytes"] - 26 * kv_per_token) / 4
     weights_b = (b["bytes"] - 19 * kv_per_token) / 2
