@@ -159,6 +159,32 @@ def test_cuda_engine_captures_graphs_and_generates_what_the_eager_engine_does(ll
 
 
 @needs_cuda
+@needs_triton
+def test_cuda_async_scheduling_generates_what_the_synchronous_engine_does(llama_model: Path) -> None:
+    """On by default on CUDA: steps overlap (one in flight at each launch after the first), and greedy,
+    seeded, top-p and logprob outputs equal those of the engine that collects every step first."""
+    params = [
+        GREEDY,
+        SamplingParams(max_tokens=8, temperature=1.0, seed=3, top_p=0.9, logprobs=2, ignore_eos=True),
+    ]
+    kwargs = dict(device="cuda", dtype="float32", max_num_seqs=8)
+    sync = LLM(model=str(llama_model), async_scheduling="off", **kwargs)  # type: ignore[arg-type]
+    expected = sync.generate(PROMPTS, params, use_tqdm=False)
+    del sync
+    llm = LLM(model=str(llama_model), **kwargs)  # type: ignore[arg-type]
+    assert llm.config.scheduler.async_scheduling
+    in_flight: list[int] = []
+    engine, launch = llm.engine, llm.engine.executor.launch
+    engine.executor.launch = lambda sched: (in_flight.append(len(engine._in_flight)), launch(sched))[1]  # type: ignore[method-assign]
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert max(in_flight) == 1
+    for a, b in zip(got, expected):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for pos_a, pos_b in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
+            assert pos_a.keys() == pos_b.keys()
+
+
+@needs_cuda
 def test_cuda_kv_cache_fits_the_utilization_share_of_the_gpu(llama_model: Path) -> None:
     # max_num_seqs so large that the per-sequence cap (2 * max_num_seqs full-length sequences) stays out of reach.
     llm = LLM(

@@ -211,7 +211,7 @@ class EngineCore:
         self.kv_bytes_per_token = self.executor.kv_cache_bytes_per_block() * ranks // config.cache.block_size
         logger.info(
             "engine ready: %d KV blocks of %d tokens (%s), dtype %s (weights %s), attention %s, fused decode %s, "
-            "speculative %s",
+            "speculative %s, async scheduling %s",
             self.num_blocks,
             config.cache.block_size,
             config.cache.kv_cache_dtype,
@@ -220,6 +220,7 @@ class EngineCore:
             self.runner.backend.name,
             "on" if self.runner.fused_decode_off_reason is None else f"off ({self.runner.fused_decode_off_reason})",
             "off" if (spec := config.speculative) is None else f"{spec.method} k={spec.num_speculative_tokens}",
+            "on" if config.scheduler.async_scheduling else "off",
         )
         freeze_startup_heap()
         keep_freed_memory()
