@@ -3,8 +3,9 @@
 every step); on CPU the arrays themselves, without a copy.
 
 A step's arrays are packed into one pinned arena; two arenas take turns, one step each, so a step's
-copies may still be in flight while the next step packs its own. (The engine reads each step's sampled
-tokens back before it builds the next step, so a third would never be needed.)"""
+copies may still be in flight while the next step packs its own. (An arena is packed again two steps
+later, by which time the engine has collected the step that used it (async scheduling collects step N
+before it builds step N + 2), so its copies are done and a third would never be needed.)"""
 
 from __future__ import annotations
 
