@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.attention.triton import triton_unavailable_reason
 from tokenmill.sample.bitmask import TokenBitmask, apply_token_bitmask
 from tokenmill.sample.metadata import SamplingMetadata, to_device
 from tokenmill.sample.penalties import apply_logit_bias, apply_penalties, mask_tokens
@@ -116,6 +117,7 @@ def _apply_top_k_top_p(
     logits: torch.Tensor,  # [num_reqs, vocab_size], masked in place
     top_k: torch.Tensor | None,  # [num_reqs] int64, vocab_size where disabled
     top_p: torch.Tensor | None,  # [num_reqs] float32, 1.0 where disabled
+    sync_free: bool | None = None,
 ) -> None:
     """Masks to -inf every token outside the row's k most likely, then outside the smallest set of
     the remaining (renormalized) tokens whose probability reaches top_p: a token stays while the mass
@@ -123,7 +125,9 @@ def _apply_top_k_top_p(
 
     Rows are filtered among their TOP_CANDIDATES most likely tokens where those hold the whole answer
     (top_k within them, or a nucleus they cover); the others sort the whole row
-    (_apply_top_k_top_p_sorted)."""
+    (_apply_top_k_top_p_sorted). Choosing those rows on the host waits for the device: on CUDA with triton
+    (`sync_free`, default: there) the masks are applied to every row on the device instead, and the
+    others take a threshold found there (_mask_on_device)."""
     num_reqs, vocab_size = logits.shape
     k = min(TOP_CANDIDATES, vocab_size)
     values, indices = logits.topk(k, dim=-1)  # [num_reqs, k], most likely first
@@ -144,6 +148,9 @@ def _apply_top_k_top_p(
     here = (nucleus & covered & (k_inside | (row_k >= vocab_size))) | (~nucleus & k_inside)
     untouched = ~nucleus & (row_k >= vocab_size)  # neither filter applies
     full = ~(here | untouched)
+    if sync_free if sync_free is not None else (logits.is_cuda and triton_unavailable_reason() is None):
+        _mask_on_device(logits, here, full, indices, values.masked_fill(~keep, float("-inf")), row_k, row_p)
+        return
     if bool(here.any()):
         masked = torch.full_like(logits[here], float("-inf"))
         masked.scatter_(1, indices[here], values[here].masked_fill(~keep[here], float("-inf")))
@@ -152,6 +159,25 @@ def _apply_top_k_top_p(
         rows = logits[full]
         _apply_top_k_top_p_sorted(rows, None if top_k is None else top_k[full], None if top_p is None else top_p[full])
         logits[full] = rows
+
+
+def _mask_on_device(
+    logits: torch.Tensor,  # [num_reqs, vocab_size], masked in place
+    here: torch.Tensor,  # [num_reqs] bool: rows their candidates answer
+    full: torch.Tensor,  # [num_reqs] bool: rows whose filter reaches past the candidates
+    indices: torch.Tensor,  # [num_reqs, k] the candidates' token ids
+    kept: torch.Tensor,  # [num_reqs, k] the candidates' logits, -inf where filtered out
+    top_k: torch.Tensor,  # [num_reqs] int64
+    top_p: torch.Tensor,  # [num_reqs] float32
+) -> None:
+    """_apply_top_k_top_p without a host sync: no boolean indexing, every row through the same ops."""
+    from tokenmill.sample.triton_nucleus import nucleus_thresholds  # imports triton
+
+    thresholds = nucleus_thresholds(logits, top_k, top_p, full)  # [num_reqs], -inf outside `full`
+    logits.masked_fill_(here.unsqueeze(1), float("-inf"))
+    # The candidates' logits back: kept ones on `here` rows, all of them (unchanged) on the others.
+    logits.scatter_(1, indices, torch.where(here.unsqueeze(1), kept, logits.gather(1, indices)))
+    logits.masked_fill_(logits < thresholds.unsqueeze(1), float("-inf"))
 
 
 def _apply_top_k_top_p_sorted(

@@ -4,7 +4,6 @@ independent of the rest of the batch."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -70,12 +69,7 @@ def _unfiltered(meta: SamplingMetadata) -> bool:
 
 def use_triton_draw(logits: torch.Tensor) -> bool:
     """Whether the draw runs the Triton kernel (sample/triton_sample.py): on CUDA, where triton imports."""
-    return logits.is_cuda and _triton_available()
-
-
-@functools.cache
-def _triton_available() -> bool:
-    return triton_unavailable_reason() is None
+    return logits.is_cuda and triton_unavailable_reason() is None
 
 
 def _cpu_draw(logits: torch.Tensor, meta: SamplingMetadata) -> ModuleType | None:

@@ -9,11 +9,14 @@ split-K over the context, then a reduce), `backend.py` (`TritonBackend`, the Att
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 
+@functools.cache
 def triton_unavailable_reason() -> str | None:
-    """None when triton imports; otherwise a sentence saying what is missing and how to get it."""
+    """None when triton imports; otherwise a sentence saying what is missing and how to get it. Asked
+    once per process (the sampler asks every step)."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed (pip install 'tokenmill[gpu]')"
     try:
