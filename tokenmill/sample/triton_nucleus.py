@@ -50,12 +50,12 @@ def _threshold_kernel(
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_row
     offs = tl.arange(0, BLOCK)
-    threshold = float("-inf")
+    threshold = tl.full((), float("-inf"), tl.float32)
     if tl.load(flag_ptr + row) != 0:
         k = tl.load(top_k_ptr + row)
         p = tl.load(top_p_ptr + row)
         # One pass: the row's largest logit and its smallest and largest keys.
-        peak = float("-inf")
+        peak = tl.full((), float("-inf"), tl.float32)
         lo = tl.full((), _KEY_MAX, tl.int64)
         hi = tl.full((), _KEY_MIN, tl.int64)
         for start in range(0, vocab_size, BLOCK):
