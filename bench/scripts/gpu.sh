@@ -64,7 +64,7 @@ run_step() {
     case $1 in
     env) step env 60 bash -c "nvidia-smi; $py -c 'import torch, triton, transformers; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, torch.cuda.is_available())'" ;;
     # The Triton kernels compile once per variant: in parallel workers. The engine tests share one GPU's memory: serially.
-    test_kernels) step test_kernels 150 $py -m pytest -q -p no:cacheprovider -n 8 tests/kernels/test_triton_attention.py tests/kernels/test_cuda_graph.py tests/kernels/test_triton_fused.py tests/kernels/test_triton_sampler.py ;;
+    test_kernels) step test_kernels 150 $py -m pytest -q -p no:cacheprovider -n 8 tests/kernels/test_triton_attention.py tests/kernels/test_cuda_graph.py tests/kernels/test_triton_fused.py tests/kernels/test_triton_sampler.py tests/kernels/test_triton_nucleus.py ;;
     test_e2e) step test_e2e 200 $py -m pytest -q -p no:cacheprovider tests/e2e/test_gpu_path_e2e.py tests/e2e/test_cuda_hf_equivalence.py ;;
     random_gpu) step random_gpu 150 "${tm[@]}" --workload random-gpu --model $small "${gpu_args[@]}" "${sizes[@]}" --output-json "$out/random_gpu.json" ;;
     # Async scheduling off (it is on by default on CUDA): what the overlapped step gains.
