@@ -37,6 +37,39 @@ def _order_key(x: tl.tensor) -> tl.tensor:
 
 
 @triton.jit  # type: ignore[untyped-decorator]
+def _key_value(key: tl.tensor) -> tl.tensor:
+    """The float32 whose _order_key is `key` (int64 within int32's range)."""
+    bits = key.to(tl.int32)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _count_from(base: tl.tensor, vocab_size: tl.tensor, key_min: tl.tensor, BLOCK: tl.constexpr) -> tl.tensor:
+    """How many of the row's values have a key >= key_min: one pass over the row."""
+    offs = tl.arange(0, BLOCK)
+    count = tl.zeros((), tl.int64)
+    for start in range(0, vocab_size, BLOCK):
+        inside = start + offs < vocab_size
+        key = _order_key(tl.load(base + start + offs, mask=inside, other=float("-inf")))
+        count += tl.sum((inside & (key >= key_min)).to(tl.int64), 0)
+    return count
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _mass_from(
+    base: tl.tensor, vocab_size: tl.tensor, key_min: tl.tensor, peak: tl.tensor, BLOCK: tl.constexpr
+) -> tl.tensor:
+    """The sum of exp(x - peak) over the row's values x with a key >= key_min: one pass over the row."""
+    offs = tl.arange(0, BLOCK)
+    mass = tl.zeros((), tl.float32)
+    for start in range(0, vocab_size, BLOCK):
+        inside = start + offs < vocab_size
+        x = tl.load(base + start + offs, mask=inside, other=float("-inf"))
+        mass += tl.sum(tl.where(inside & (_order_key(x) >= key_min), tl.exp(x - peak), 0.0), 0)
+    return mass
+
+
+@triton.jit  # type: ignore[untyped-decorator]
 def _threshold_kernel(
     x_ptr: tl.tensor,  # [num_rows, vocab_size] float32 logits, unit stride on the vocabulary
     top_k_ptr: tl.tensor,  # [num_rows] int64, vocab_size where disabled
@@ -65,40 +98,24 @@ def _threshold_kernel(
             peak = tl.maximum(peak, tl.max(x, 0))
             lo = tl.minimum(lo, tl.min(tl.where(inside, key, _KEY_MAX), 0))
             hi = tl.maximum(hi, tl.max(tl.where(inside, key, _KEY_MIN), 0))
-        top = hi
         # top-k: count(key >= lo) >= k holds (lo is the smallest key); keep it while halving [lo, hi].
         if k < vocab_size:
             k_hi = hi
             for _ in range(_HALVINGS):
                 mid = lo + (k_hi - lo + 1) // 2
-                count = tl.zeros((), tl.int64)
-                for start in range(0, vocab_size, BLOCK):
-                    inside = start + offs < vocab_size
-                    key = _order_key(tl.load(base + start + offs, mask=inside, other=float("-inf")))
-                    count += tl.sum((inside & (key >= mid)).to(tl.int64), 0)
-                enough = count >= k
+                enough = _count_from(base, vocab_size, mid, BLOCK) >= k
                 lo = tl.where(enough, mid, lo)
                 k_hi = tl.where(enough, k_hi, mid - 1)
-        # top-p over the survivors: mass(key >= lo) = 1 >= p holds; keep it while halving [lo, top].
+        # top-p over the survivors: mass(key >= lo) = 1 >= p holds; keep it while halving [lo, hi].
         if p < 1.0:
-            total = tl.zeros((), tl.float32)
-            for start in range(0, vocab_size, BLOCK):
-                inside = start + offs < vocab_size
-                x = tl.load(base + start + offs, mask=inside, other=float("-inf"))
-                total += tl.sum(tl.where(inside & (_order_key(x) >= lo), tl.exp(x - peak), 0.0), 0)
-            p_hi = top
+            total = _mass_from(base, vocab_size, lo, peak, BLOCK)
+            p_hi = hi
             for _ in range(_HALVINGS):
                 mid = lo + (p_hi - lo + 1) // 2
-                mass = tl.zeros((), tl.float32)
-                for start in range(0, vocab_size, BLOCK):
-                    inside = start + offs < vocab_size
-                    x = tl.load(base + start + offs, mask=inside, other=float("-inf"))
-                    mass += tl.sum(tl.where(inside & (_order_key(x) >= mid), tl.exp(x - peak), 0.0), 0)
-                enough = mass >= p * total
+                enough = _mass_from(base, vocab_size, mid, peak, BLOCK) >= p * total
                 lo = tl.where(enough, mid, lo)
                 p_hi = tl.where(enough, p_hi, mid - 1)
-        bits = lo.to(tl.int32)
-        threshold = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        threshold = _key_value(lo)
     tl.store(out_ptr + row, threshold)
 
 
